@@ -1,0 +1,26 @@
+"""DeepSeek-V4.1-Flash for Hugging Face Transformers. Importing this package registers it with the Auto classes."""
+
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from .configuration_deepseek_v41 import DeepseekV41Config, DeepseekV41TextConfig, DeepseekV41VisionConfig
+from .layer_plan import LayerPlan, LayerSpec
+from .modeling_deepseek_v41 import DeepseekV41ForCausalLM, DeepseekV41PreTrainedModel
+
+
+def _register() -> None:
+    for config_class in (DeepseekV41Config, DeepseekV41TextConfig, DeepseekV41VisionConfig):
+        AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
+    AutoModelForCausalLM.register(DeepseekV41Config, DeepseekV41ForCausalLM, exist_ok=True)
+
+
+_register()
+
+__all__ = [
+    "DeepseekV41Config",
+    "DeepseekV41TextConfig",
+    "DeepseekV41VisionConfig",
+    "DeepseekV41ForCausalLM",
+    "DeepseekV41PreTrainedModel",
+    "LayerPlan",
+    "LayerSpec",
+]

@@ -1,0 +1,112 @@
+"""CSA2 attention: a sliding window of FP8 KV plus, on compressed layers, the top-k rows of a shared pool."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .compressor import DeepseekV41Compressor
+from .indexer import DeepseekV41Indexer
+from .layer_plan import LayerSpec
+from .norms import DeepseekV41RMSNorm
+from .numerics import WEIGHT_BLOCK, dequantize_fp8_weight, fp4_qdq, fp8_act_qdq
+from .quantized_linear import DeepseekV41Linear
+from .rope import apply_rope_tail, rope_angles
+from .sparse_attention import sparse_attention
+
+POOL_FP4_BLOCK = 16  # compressed KV: FP4 with E4M3 scales per 16 values
+
+
+def window_entries(positions: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each query, the chunk indices of its window (oldest first, valid entries first) and their validity.
+
+    positions [B,S] are contiguous within a row (-1 marks padding). Query i at position p lists positions
+    max(0, p-W+1) .. p; position q sits at chunk index i - (p - q).
+    """
+    width = min(window, int(positions.amax()) + 1) if positions.numel() else 0
+    width = max(width, 0)
+    p = positions.unsqueeze(-1)
+    listed = (p - window + 1).clamp_min(0) + torch.arange(width, device=positions.device)
+    valid = (listed <= p) & (p >= 0)
+    index = torch.arange(positions.shape[1], device=positions.device).view(1, -1, 1) - (p - listed)
+    return torch.where(valid, index, 0), valid
+
+
+def gather_rows(source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """source [B,N,d], index [B,S,K] (valid indices only) -> [B,S,K,d]."""
+    batch, s, k = index.shape
+    flat = index.reshape(batch, s * k, 1).expand(-1, -1, source.shape[-1])
+    return source.gather(1, flat).view(batch, s, k, source.shape[-1])
+
+
+class DeepseekV41Attention(nn.Module):
+    """One attention layer. Its role in the CSA2 schedule (window only, pool owner, reindexer or reuser) comes
+    from its `LayerSpec`; shared pools, keys and selections travel through the per-forward `ForwardShare`."""
+
+    def __init__(self, config, spec: LayerSpec, quantized: bool) -> None:
+        super().__init__()
+        self.spec = spec
+        self.n_heads = config.num_attention_heads
+        self.head_dim = config.head_dim
+        self.rope_dim = config.qk_rope_head_dim
+        self.n_groups = config.o_groups
+        self.o_lora_rank = config.o_lora_rank
+        self.window = config.sliding_window
+        self.softmax_scale = self.head_dim**-0.5
+        fp8 = "fp8" if quantized else "dense"
+        self.attn_sink = nn.Parameter(torch.empty(self.n_heads, dtype=torch.float32))
+        self.wq_a = DeepseekV41Linear(config.hidden_size, config.q_lora_rank, storage=fp8)
+        self.q_norm = DeepseekV41RMSNorm(config.q_lora_rank, config.rms_norm_eps)
+        self.wq_b = DeepseekV41Linear(config.q_lora_rank, self.n_heads * self.head_dim, storage=fp8)
+        self.wkv = DeepseekV41Linear(config.hidden_size, self.head_dim, storage=fp8)
+        self.kv_norm = DeepseekV41RMSNorm(self.head_dim, config.rms_norm_eps)
+        # block-diagonal over groups: applied as a grouped einsum, in bf16 (exact dequantization of the FP8 bytes)
+        self.wo_a = DeepseekV41Linear(self.n_heads * self.head_dim // self.n_groups, self.n_groups * self.o_lora_rank,
+                                      storage=fp8)
+        self.wo_b = DeepseekV41Linear(self.n_groups * self.o_lora_rank, config.hidden_size, storage=fp8)
+        if spec.owns_pool:
+            self.compressor = DeepseekV41Compressor(config, spec.ratio)
+        if spec.is_index_source:
+            self.indexer = DeepseekV41Indexer(config, spec, quantized)
+
+    def _pool_rows(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, share) -> None:
+        """Compress this chunk into new pool rows (RoPE'd at each group's first token, FP4-QDQ'd) and their
+        index keys, and publish the pool and keys for the layers that read them."""
+        ratio = self.spec.ratio
+        latents, rows, _ = self.compressor(x, positions)
+        rotation = rope_angles(rows.clamp_min(0) * ratio, inv_freq)
+        share.index_keys[self.spec.layer_id] = self.indexer.keys(latents, rotation)
+        pool = fp4_qdq(apply_rope_tail(latents, rotation, self.rope_dim), POOL_FP4_BLOCK, "e4m3")
+        share.pool_kv[self.spec.layer_id] = pool
+
+    def _output(self, o: torch.Tensor) -> torch.Tensor:
+        batch, seq = o.shape[:2]
+        o = o.reshape(batch, seq, self.n_groups, -1)
+        wo_a = self.wo_a.dense_weight(o.dtype).view(self.n_groups, self.o_lora_rank, -1)
+        o = torch.einsum("bsgd,grd->bsgr", o, wo_a)
+        return self.wo_b(o.flatten(2))
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotation: torch.Tensor, inv_freq: torch.Tensor,
+                share) -> torch.Tensor:
+        """x [B,S,D] normed; positions [B,S] (-1: padding); rotation [B,S,rope/2] at the query positions."""
+        qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        q = apply_rope_tail(q, rotation, self.rope_dim)
+        kv = fp8_act_qdq(apply_rope_tail(self.kv_norm(self.wkv(x)), rotation, self.rope_dim))
+        index, valid = window_entries(positions, self.window)
+        entries = gather_rows(kv, index)
+        spec = self.spec
+        if spec.ratio:
+            if spec.owns_pool:
+                self._pool_rows(x, positions, inv_freq, share)
+            pool = share.pool_kv[spec.pool_source]
+            if spec.is_index_source:
+                visible = torch.div(positions + 1, spec.ratio, rounding_mode="floor").clamp_min(0)
+                selected = self.indexer(x, qr, rotation, share.index_keys[spec.pool_source], visible, share)
+                share.topk[spec.layer_id] = selected
+            selected = share.topk[spec.topk_source]
+            entries = torch.cat([entries, gather_rows(pool, selected.clamp_min(0))], dim=2)
+            valid = torch.cat([valid, selected >= 0], dim=2)
+        o = sparse_attention(q, entries, valid, self.attn_sink, self.softmax_scale)
+        o = apply_rope_tail(o, rotation, self.rope_dim, inverse=True)
+        return self._output(o)

@@ -1,0 +1,66 @@
+"""The KV compressor of a pool-owning layer: ratio-r groups of tokens pooled into one latent row."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .norms import DeepseekV41RMSNorm
+from .quantized_linear import DeepseekV41Linear
+
+
+class DeepseekV41Compressor(nn.Module):
+    """Ratio 1: latent = norm(wkv(x)). Ratio r > 1: per channel, a softmax over each group's r tokens of the
+    fp32 gate scores weights their fp32 kv projections. Returns latents before RoPE: the indexer needs them so."""
+
+    def __init__(self, config, ratio: int) -> None:
+        super().__init__()
+        self.ratio = ratio
+        self.norm = DeepseekV41RMSNorm(config.head_dim, config.rms_norm_eps)
+        weight_dtype = torch.float32 if ratio > 1 else torch.bfloat16
+        self.wkv = DeepseekV41Linear(config.hidden_size, config.head_dim, dtype=weight_dtype)
+        if ratio > 1:
+            self.wgate = DeepseekV41Linear(config.hidden_size, config.head_dim, dtype=torch.float32)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor,
+                carry: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """x [B,S,D], positions [B,S] (-1: padding). Returns (latents [B,G,hd], rows [B,G] pool row of each latent
+        or -1 where no group completed, the new carry (kv, score) [B, r, hd] of the incomplete last group)."""
+        if self.ratio == 1:
+            return self.norm(self.wkv(x)), positions, None
+        r = self.ratio
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        h = x.to(acc)
+        kv, score = self.wkv(h), self.wgate(h)
+        live = positions >= 0
+        big = torch.iinfo(positions.dtype).max
+        first = torch.where(live, positions, big).amin(dim=1).clamp_max(big - 1)
+        last = torch.where(live, positions, -1).amax(dim=1)
+        base_group = torch.div(first, r, rounding_mode="floor")
+        n_groups = int((torch.div(last, r, rounding_mode="floor") - base_group).amax().clamp_min(-1)) + 1
+        batch, hd = x.shape[0], kv.shape[-1]
+        group_kv = kv.new_zeros(batch, n_groups + 1, r, hd)
+        group_score = kv.new_full((batch, n_groups + 1, r, hd), -torch.inf)
+        filled = torch.zeros(batch, n_groups + 1, r, dtype=torch.bool, device=x.device)
+        if carry is not None:
+            carry_kv, carry_score = carry
+            group_kv[:, 0], group_score[:, 0] = carry_kv.to(acc), carry_score.to(acc)
+            filled[:, 0] = carry_score[..., 0] > -torch.inf
+        rows = torch.arange(batch, device=x.device).unsqueeze(1).expand_as(positions)[live]
+        local_group = (torch.div(positions, r, rounding_mode="floor") - base_group.unsqueeze(1))[live]
+        slot = (positions % r)[live]
+        group_kv[rows, local_group, slot] = kv[live]
+        group_score[rows, local_group, slot] = score[live]
+        filled[rows, local_group, slot] = True
+        # the group holding the next position is the one left open; every group before it is complete
+        open_group = torch.div(last + 1, r, rounding_mode="floor") - base_group
+        n_done = int(open_group.amax().clamp_min(0))
+        latents = (group_kv[:, :n_done] * group_score[:, :n_done].softmax(dim=2)).sum(dim=2)
+        complete = filled[:, :n_done].all(dim=-1)
+        latents = torch.where(complete.unsqueeze(-1), latents, torch.zeros_like(latents))
+        pool_rows = torch.where(complete, base_group.unsqueeze(1) + torch.arange(n_done, device=x.device), -1)
+        gather = open_group.clamp(0, n_groups).view(batch, 1, 1, 1).expand(batch, 1, r, hd)
+        new_kv = group_kv.gather(1, gather).squeeze(1)
+        new_score = group_score.gather(1, gather).squeeze(1)
+        return self.norm(latents.to(x.dtype)), pool_rows, (new_kv, new_score)

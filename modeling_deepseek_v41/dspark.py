@@ -1,0 +1,54 @@
+"""The DSpark drafter's modules: window-only blocks under the checkpoint's `mtp.{i}` namespace and its heads."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .block import DeepseekV41Block
+from .layer_plan import LayerSpec
+from .norms import DeepseekV41RMSNorm
+from .quantized_linear import DeepseekV41Linear
+
+
+class DeepseekV41MarkovHead(nn.Module):
+    """A rank-`dspark_markov_rank` bigram bias: logits += head . embed[previous token]."""
+
+    def __init__(self, vocab_size: int, rank: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, rank, dtype=torch.bfloat16)
+        self.head = DeepseekV41Linear(rank, vocab_size, dtype=torch.float32)
+
+    def forward(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        embedding = self.embed(token_ids)
+        return self.head(embedding), embedding
+
+
+class DeepseekV41ConfidenceHead(nn.Module):
+    """A raw fp32 score per drafted position from the hidden state and the Markov embedding (no sigmoid)."""
+
+    def __init__(self, input_dim: int) -> None:
+        super().__init__()
+        self.proj = DeepseekV41Linear(input_dim, 1, dtype=torch.float32)
+
+    def forward(self, hidden: torch.Tensor, markov_embedding: torch.Tensor) -> torch.Tensor:
+        return self.proj(torch.cat([hidden, markov_embedding.to(hidden.dtype)], dim=-1)).squeeze(-1)
+
+
+class DeepseekV41DSparkBlock(DeepseekV41Block):
+    """One drafter stage: a window-only block with the drafter's own expert count. Stage 0 also projects the
+    backbone taps (`main_proj`, `main_norm`); the last stage holds the final norm and the two heads."""
+
+    def __init__(self, config, spec: LayerSpec, stage: int, quantized: bool) -> None:
+        super().__init__(config, spec, quantized, has_vision_bias=False,
+                         n_experts=config.dspark_n_routed_experts or config.n_routed_experts,
+                         top_k=config.dspark_num_experts_per_tok or config.num_experts_per_tok)
+        self.stage = stage
+        if stage == 0:
+            self.main_proj = DeepseekV41Linear(config.hidden_size * len(config.dspark_target_layer_ids),
+                                               config.hidden_size, storage="fp8" if quantized else "dense")
+            self.main_norm = DeepseekV41RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if stage == config.num_nextn_predict_layers - 1:
+            self.norm = DeepseekV41RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.markov_head = DeepseekV41MarkovHead(config.vocab_size, config.dspark_markov_rank)
+            self.confidence_head = DeepseekV41ConfidenceHead(config.hidden_size + config.dspark_markov_rank)

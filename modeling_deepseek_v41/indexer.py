@@ -1,0 +1,66 @@
+"""The CSA2 indexer: FP4 query heads score pool rows through their FP4 index keys and keep the top-k rows."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .norms import DeepseekV41RMSNorm
+from .numerics import fp4_qdq
+from .quantized_linear import DeepseekV41Linear
+from .rope import apply_rope_tail
+from .sparse_attention import select_candidate_blocks, stable_topk_indices
+
+INDEX_FP4_BLOCK = 32
+
+
+class DeepseekV41Indexer(nn.Module):
+    """score[s, t] = sum_h relu(q[s,h] . k[t]) * w[s,h], in bf16 like the reference (so ties are exact).
+
+    Owners of a pool (`owns_keys`) also project the pool's latents to index keys. After the candidate source,
+    scoring is restricted to its candidate blocks.
+    """
+
+    def __init__(self, config, spec, quantized: bool) -> None:
+        super().__init__()
+        self.spec = spec
+        self.n_heads = config.index_n_heads
+        self.head_dim = config.index_head_dim
+        self.rope_dim = config.qk_rope_head_dim
+        self.topk = config.index_topk
+        self.candidate_blocks = config.candidate_topk_blocks
+        self.candidate_block_size = config.candidate_block_size
+        self.wq_b = DeepseekV41Linear(config.q_lora_rank, self.n_heads * self.head_dim,
+                                      storage="fp8" if quantized else "dense")
+        self.weights_proj = DeepseekV41Linear(config.hidden_size, self.n_heads)
+        if spec.owns_index_keys:
+            self.wk = DeepseekV41Linear(config.head_dim, self.head_dim)
+            self.k_norm = DeepseekV41RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def keys(self, latents: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+        """Index keys of new pool rows from their pre-RoPE latents; rotation at each row's first token."""
+        k = apply_rope_tail(self.k_norm(self.wk(latents)), rotation, self.rope_dim)
+        return fp4_qdq(k, INDEX_FP4_BLOCK, "e8m0")
+
+    def forward(self, x: torch.Tensor, qr: torch.Tensor, rotation: torch.Tensor, keys: torch.Tensor,
+                visible: torch.Tensor, share) -> torch.Tensor:
+        """x [B,S,D] normed input; qr [B,S,q_lora]; keys [B,N,index_head_dim]; visible [B,S] rows each query may
+        see. Returns selected pool rows [B,S,k] ascending, -1 where nothing visible is left to select."""
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        q = fp4_qdq(apply_rope_tail(q, rotation, self.rope_dim), INDEX_FP4_BLOCK, "e8m0")
+        weights = self.weights_proj(x) * (self.head_dim**-0.5 * self.n_heads**-0.5)
+        scores = torch.einsum("bshd,btd->bsht", q, keys.to(q.dtype))
+        scores = (scores.relu() * weights.unsqueeze(-1)).sum(dim=2)
+        row_ids = torch.arange(keys.shape[1], device=x.device)
+        scores = scores.masked_fill(row_ids >= visible.unsqueeze(-1), -torch.inf)
+        if self.spec.is_candidate_source:
+            share.candidates = select_candidate_blocks(scores, visible, self.candidate_blocks,
+                                                       self.candidate_block_size)
+        elif self.spec.uses_candidates:
+            scores = scores.masked_fill(~share.candidates, -torch.inf)
+        if share.record_selection:
+            share.index_scores[self.spec.layer_id] = scores
+            if self.spec.is_candidate_source:
+                share.candidate_history[self.spec.layer_id] = share.candidates
+        picked = stable_topk_indices(scores, min(self.topk, keys.shape[1])).sort(dim=-1).values
+        return torch.where(picked < visible.unsqueeze(-1), picked, -1)

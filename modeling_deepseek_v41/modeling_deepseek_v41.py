@@ -1,0 +1,305 @@
+"""DeepSeek-V4.1-Flash for causal language modelling, with the hub checkpoint's module names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+
+from .block import DeepseekV41BackboneBlock, DeepseekV41Block
+from .configuration_deepseek_v41 import DeepseekV41Config
+from .dspark import DeepseekV41DSparkBlock
+from .engram import DeepseekV41Engram, DeepseekV41EngramTable
+from .engram_hashing import DEAD, EngramHashLayout, engram_hash_ids, ngram_window
+from .forward_share import ForwardShare
+from .hyper_connections import hc_collapse
+from .layer_plan import LayerPlan
+from .loading import compressed_token_map, dequantize_module_weights, load_tokenizer_for_token_map
+from .norms import DeepseekV41RMSNorm
+from .numerics import quantize_fp4_weight, quantize_fp8_weight
+from .quantized_linear import STORAGE_FP4, STORAGE_FP8, DeepseekV41Linear
+from .rope import rope_angles, rope_inv_freq
+
+
+@dataclass
+class DeepseekV41CausalLMOutput(MoeCausalLMOutputWithPast):
+    """MoE causal-LM output plus the DSpark tap (mean over streams of each target layer's input, concatenated)
+    and the experts every layer chose."""
+
+    dspark_hidden: torch.Tensor | None = None
+    router_experts: tuple[torch.Tensor, ...] | None = None
+
+
+@dataclass
+class ForwardContext:
+    """Everything the layers of one forward share, computed once before the first layer."""
+
+    positions: torch.Tensor  # [B,S], -1 for padding
+    rotations: dict[tuple[float, bool], tuple[torch.Tensor, torch.Tensor]]  # (theta, yarn) -> (angles, inv_freq)
+    engram_rows: torch.Tensor | None  # [B,S,n_engram_layers,columns]
+    engram_live: torch.Tensor | None  # [B,S] False at image-span and padding positions
+    image_mask: torch.Tensor | None  # [B,S] True inside image spans
+    share: ForwardShare
+
+
+class DeepseekV41PreTrainedModel(PreTrainedModel):
+    """Weight initialisation and the transformers integration shared by the DeepSeek-V4.1 models."""
+
+    config_class = DeepseekV41Config
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["DeepseekV41BackboneBlock", "DeepseekV41DSparkBlock"]
+    _keys_to_ignore_on_load_missing = [r"^engram_token_map$"]
+    _supports_sdpa = False
+    _supports_flash_attn = False
+    _can_compile_fullgraph = False
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.text_config.initializer_range
+        if isinstance(module, DeepseekV41Linear):
+            if module.storage == STORAGE_FP8:
+                weight, scale = quantize_fp8_weight(torch.randn(module.out_features, module.in_features) * std)
+                init.copy_(module.weight, weight)
+                init.copy_(module.scale, scale)
+            elif module.storage == STORAGE_FP4:
+                weight, scale = quantize_fp4_weight(torch.randn(module.out_features, module.in_features) * std)
+                init.copy_(module.weight, weight)
+                init.copy_(module.scale, scale)
+            else:
+                init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, DeepseekV41RMSNorm):
+            init.ones_(module.weight)
+        elif isinstance(module, DeepseekV41EngramTable):
+            if module.quantized:
+                values = torch.randn(module.weight.shape) * std
+                init.copy_(module.weight, values.to(torch.float8_e4m3fn))
+                init.copy_(module.scale, torch.ones(module.scale.shape, dtype=torch.float8_e8m0fnu))
+            else:
+                init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, DeepseekV41Engram):
+            init.ones_(module.q_weight)
+            init.ones_(module.k_weight)
+        elif isinstance(module, nn.Embedding):
+            init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, DeepseekV41Block):
+            for sublayer in ("attn", "ffn"):
+                init.normal_(getattr(module, f"hc_{sublayer}_fn"), mean=0.0, std=std)
+                init.zeros_(getattr(module, f"hc_{sublayer}_base"))
+                init.ones_(getattr(module, f"hc_{sublayer}_scale"))
+            init.zeros_(module.attn.attn_sink)
+            init.normal_(module.ffn.gate.weight, mean=0.0, std=std)
+            init.zeros_(module.ffn.gate.bias)
+            if module.ffn.gate.bias_vl is not None:
+                init.zeros_(module.ffn.gate.bias_vl)
+        elif isinstance(module, DeepseekV41ForCausalLM):
+            if hasattr(module, "engram_token_map"):
+                init.constant_(module.engram_token_map, -1)
+            for name in ("image_start", "image_end", "image_newline"):
+                if hasattr(module, name):
+                    init.normal_(getattr(module, name), mean=0.0, std=std)
+
+
+class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
+    """The DeepSeek-V4.1 backbone with its head, DSpark drafter blocks and (when configured) vision tower.
+
+    Module names are the hub checkpoint's (`embed`, `layers.{L}.attn.wq_a`, `head`, `mtp.{i}`, ...), so the
+    released checkpoint loads as shipped. The CSA2 schedule comes from one `LayerPlan` computed at construction.
+    """
+
+    def __init__(self, config: DeepseekV41Config) -> None:
+        super().__init__(config)
+        text = config.text_config
+        self.plan = LayerPlan.from_config(text)
+        quantized = config.checkpoint_quantization is not None
+        self.quantized = quantized
+        vision = config.vision_enabled
+        self.embed = nn.Embedding(text.vocab_size, text.hidden_size, dtype=torch.bfloat16)
+        self.layers = nn.ModuleList(
+            DeepseekV41BackboneBlock(text, spec, quantized, has_vision_bias=vision) for spec in self.plan.layers
+        )
+        self.norm = DeepseekV41RMSNorm(text.hidden_size, text.rms_norm_eps)
+        self.head = DeepseekV41Linear(text.hidden_size, text.vocab_size, dtype=torch.float32)
+        drafting = text.dspark_block_size > 0
+        self.mtp = nn.ModuleList(
+            DeepseekV41DSparkBlock(text, spec, stage, quantized)
+            for stage, spec in enumerate(self.plan.dspark_layers if drafting else ())
+        )
+        if self.plan.engram_layers:
+            self.engram_layout = EngramHashLayout.from_config(text)
+            # built from the tokenizer when a checkpoint does not carry it; -1 marks "not built yet"
+            self.register_buffer("engram_token_map", torch.full((text.vocab_size,), -1, dtype=torch.int64))
+        self._rope_tables = {
+            (spec.rope_theta, spec.use_yarn): None for spec in self.plan.layers + self.plan.dspark_layers
+        }
+        self.post_init()
+
+    # -- loading ---------------------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """transformers' loader, plus what the hub checkpoint needs: the Engram token map built from the folder's
+        tokenizer when the weights do not carry it, and `weight_mode="bf16"` dequantization after loading."""
+        hub_kwargs = {k: kwargs[k] for k in ("revision", "cache_dir", "token", "local_files_only", "subfolder")
+                      if k in kwargs}
+        loaded = super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        model = loaded[0] if isinstance(loaded, tuple) else loaded
+        if hasattr(model, "engram_token_map") and bool((model.engram_token_map < 0).any()):
+            model.build_engram_token_map(load_tokenizer_for_token_map(pretrained_model_name_or_path, **hub_kwargs))
+        if model.config.weight_mode == "bf16" and model.quantized:
+            model.dequantize_weights()
+        return loaded
+
+    def build_engram_token_map(self, tokenizer) -> None:
+        """Build the Engram compressed token map from `tokenizer` (it is saved with the model afterwards)."""
+        text = self.config.text_config
+        token_map = compressed_token_map(tokenizer, text.vocab_size, text.engram_compressed_vocab_size)
+        with torch.no_grad():
+            self.engram_token_map.copy_(token_map.to(self.engram_token_map.device))
+
+    def dequantize_weights(self, dtype: torch.dtype = torch.bfloat16) -> None:
+        """Switch to the bf16 weight mode: dequantize every FP8/FP4 weight exactly, drop the scales, and drop the
+        checkpoint's quantization description from the config (saving then writes dense weights)."""
+        dequantize_module_weights(self, dtype)
+        self.quantized = False
+        self.config.checkpoint_quantization = None
+        self.config.weight_mode = "bf16"
+
+    # -- transformers plumbing -------------------------------------------------------------------------------
+    def get_input_embeddings(self) -> nn.Module:
+        return self.embed
+
+    def set_input_embeddings(self, value: nn.Module) -> None:
+        self.embed = value
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.head
+
+    # -- forward pieces --------------------------------------------------------------------------------------
+    def _inv_freq(self, theta: float, yarn: bool, device: torch.device) -> torch.Tensor:
+        text = self.config.text_config
+        scaling = text.rope_scaling or {}
+        return rope_inv_freq(
+            text.qk_rope_head_dim, theta, text.yarn_factor if yarn else 1.0,
+            text.yarn_original_max_position_embeddings if yarn else 0,
+            float(scaling.get("beta_fast", 32)), float(scaling.get("beta_slow", 1)),
+        ).to(device)
+
+    def engram_rows(self, input_ids: torch.Tensor, dead: torch.Tensor | None) -> torch.Tensor:
+        """Global Engram table rows [B,S,n_engram_layers,columns] of every position of `input_ids`."""
+        token_map = self.engram_token_map
+        if bool((token_map < 0).any()):
+            raise RuntimeError(
+                "The Engram compressed token map has not been built. Load the model with from_pretrained from a "
+                "folder that has the tokenizer files, or call model.build_engram_token_map(tokenizer)."
+            )
+        text = self.config.text_config
+        compressed = token_map[input_ids]
+        if dead is not None:
+            compressed = compressed.masked_fill(dead, DEAD)
+        pad = int(token_map[text.engram_pad_token_id])
+        shifted = ngram_window(compressed, pad, text.engram_max_ngram_size, input_ids.shape[1])
+        primes, offsets, multipliers = (t.to(input_ids.device) for t in self.engram_layout.tensors())
+        return engram_hash_ids(shifted, primes, offsets, multipliers)
+
+    def prepare_context(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                        token_types: torch.Tensor | None = None, record_selection: bool = False) -> ForwardContext:
+        batch, seq = input_ids.shape
+        device = input_ids.device
+        if attention_mask is None:
+            positions = torch.arange(seq, device=device).expand(batch, seq)
+            padding = None
+        else:
+            mask = attention_mask.to(torch.bool)
+            positions = torch.where(mask, mask.long().cumsum(-1) - 1, -1)
+            padding = ~mask if not bool(mask.all()) else None
+        image_mask = token_types >= 0 if token_types is not None else None
+        dead = image_mask
+        if padding is not None:
+            dead = padding if dead is None else dead | padding
+        rotations = {}
+        for theta, yarn in self._rope_tables:
+            inv_freq = self._inv_freq(theta, yarn, device)
+            rotations[(theta, yarn)] = (rope_angles(positions.clamp_min(0), inv_freq), inv_freq)
+        engram_rows = self.engram_rows(input_ids, dead) if self.plan.engram_layers else None
+        return ForwardContext(
+            positions=positions, rotations=rotations, engram_rows=engram_rows,
+            engram_live=None if dead is None else ~dead, image_mask=image_mask,
+            share=ForwardShare(record_selection=record_selection),
+        )
+
+    def layer_step(self, index: int, streams: torch.Tensor, pre_mix: torch.Tensor, context: ForwardContext
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Run backbone block `index` on streams that already went through its Engram."""
+        layer = self.layers[index]
+        angles, inv_freq = context.rotations[(layer.spec.rope_theta, layer.spec.use_yarn)]
+        return layer(streams, pre_mix, context.image_mask, context.positions, angles, inv_freq, context.share)
+
+    def apply_engram(self, index: int, streams: torch.Tensor, context: ForwardContext) -> torch.Tensor:
+        layer = self.layers[index]
+        if layer.spec.engram_slot is None:
+            return streams
+        rows = context.engram_rows[:, :, layer.spec.engram_slot]
+        return layer.engram(streams, rows, context.engram_live)
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values=None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        output_router_logits: bool | None = None,
+        token_types: torch.Tensor | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ) -> DeepseekV41CausalLMOutput:
+        """Logits for every position (or the last `logits_to_keep`), a shifted cross-entropy loss with `labels`,
+        and router logits with `output_router_logits`. `token_types` (-1 text, >= 0 image span) marks image spans."""
+        if input_ids is None:
+            raise ValueError("DeepseekV41ForCausalLM needs input_ids: the Engram hash is computed from token ids.")
+        if past_key_values is not None:
+            raise NotImplementedError("Incremental decoding with a cache is not available yet.")
+        max_positions = self.config.text_config.max_position_embeddings
+        if input_ids.shape[1] > max_positions:
+            raise ValueError(
+                f"Sequence of {input_ids.shape[1]} tokens exceeds max_position_embeddings ({max_positions})."
+            )
+        context = self.prepare_context(input_ids, attention_mask, token_types)
+        hidden = inputs_embeds if inputs_embeds is not None else self.embed_tokens(input_ids)
+        streams = hidden.unsqueeze(2).repeat(1, 1, self.config.text_config.hc_mult, 1)
+        pre_mix = torch.zeros(*streams.shape[:3], dtype=torch.float64 if streams.dtype == torch.float64
+                              else torch.float32, device=streams.device)
+        pre_mix[..., 0] = 1.0
+        all_streams = (streams,) if output_hidden_states else None
+        router_logits, router_experts, taps = [], [], []
+        for index in range(len(self.layers)):
+            streams = self.apply_engram(index, streams, context)
+            if self.layers[index].spec.is_dspark_tap:
+                taps.append(streams.mean(dim=2))
+            streams, pre_mix, logits_i, experts_i = self.layer_step(index, streams, pre_mix, context)
+            router_logits.append(logits_i)
+            router_experts.append(experts_i)
+            if output_hidden_states:
+                all_streams += (streams,)
+        final = hc_collapse(streams, pre_mix)
+        kept = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.head(self.norm(final)[:, kept])
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits, labels, self.config.text_config.vocab_size, **kwargs)
+        return DeepseekV41CausalLMOutput(
+            loss=loss, logits=logits, hidden_states=all_streams,
+            router_logits=tuple(router_logits) if output_router_logits else None,
+            dspark_hidden=torch.cat(taps, dim=-1) if taps else None,
+            router_experts=tuple(router_experts) if output_router_logits else None,
+        )

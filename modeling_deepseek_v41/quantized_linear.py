@@ -1,0 +1,79 @@
+"""A Linear whose weight lives as the checkpoint stores it: FP8 e4m3, packed FP4, or a dense dtype."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from .numerics import WEIGHT_BLOCK, dequantize_fp4_weight, dequantize_fp8_weight, fp8_act_qdq
+
+STORAGE_FP8 = "fp8"
+STORAGE_FP4 = "fp4"
+STORAGE_DENSE = "dense"
+
+
+class DeepseekV41Linear(nn.Module):
+    """y = x W^T with the reference's dispatch on the weight's storage.
+
+    - fp8: weight e4m3 [out, in] plus `scale` E8M0 [ceil(out/32), ceil(in/32)].
+    - fp4: weight packed e2m1 [out, in/2] (int8, as the checkpoint stores it) plus `scale` E8M0 [out, in/32].
+    - dense: a plain weight of `dtype`; the input is cast to that dtype (fp32 weights run fp32 linears).
+
+    Quantized weights take the FP8 activation QDQ (per-token groups of 32, power-of-two scales) and multiply
+    the exactly dequantized operands in fp32, which reproduces the reference's block-scaled GEMM.
+    """
+
+    def __init__(self, in_features: int, out_features: int, storage: str = STORAGE_DENSE,
+                 dtype: torch.dtype = torch.bfloat16) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.storage = storage
+        if storage == STORAGE_FP8:
+            self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn),
+                                       requires_grad=False)
+            self.scale = nn.Parameter(torch.empty(-(-out_features // WEIGHT_BLOCK), -(-in_features // WEIGHT_BLOCK),
+                                                  dtype=torch.float8_e8m0fnu), requires_grad=False)
+        elif storage == STORAGE_FP4:
+            self.weight = nn.Parameter(torch.empty(out_features, in_features // 2, dtype=torch.int8),
+                                       requires_grad=False)
+            self.scale = nn.Parameter(torch.empty(out_features, in_features // WEIGHT_BLOCK,
+                                                  dtype=torch.float8_e8m0fnu), requires_grad=False)
+        elif storage == STORAGE_DENSE:
+            self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
+            self.register_parameter("scale", None)
+        else:
+            raise ValueError(f"unknown weight storage {storage!r}")
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.storage != STORAGE_DENSE
+
+    def dense_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight as a dense matrix (exact: FP8/FP4 values times power-of-two scales)."""
+        if self.storage == STORAGE_FP8:
+            return dequantize_fp8_weight(self.weight, self.scale, dtype)
+        if self.storage == STORAGE_FP4:
+            return dequantize_fp4_weight(self.weight, self.scale, dtype)
+        return self.weight.to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.is_quantized:
+            return F.linear(x.to(self.weight.dtype), self.weight)
+        x = fp8_act_qdq(x)
+        return F.linear(x.float(), self.dense_weight(torch.float32)).to(x.dtype)
+
+    @torch.no_grad()
+    def dequantize_(self, dtype: torch.dtype = torch.bfloat16) -> None:
+        """Replace quantized storage by a dense weight of `dtype` (the bf16 weight mode)."""
+        if not self.is_quantized:
+            return
+        dense = self.dense_weight(dtype)
+        del self.weight, self.scale
+        self.weight = nn.Parameter(dense)
+        self.register_parameter("scale", None)
+        self.storage = STORAGE_DENSE
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, storage={self.storage}"

@@ -1,0 +1,95 @@
+"""The image processor against the reference preprocessing (resize plans, patches, token types)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+
+from processing import DeepseekV41ImageProcessor, plan_image, span_token_types
+
+FIXTURE = Path(__file__).parent / "fixtures" / "image-processor"
+SIZES = json.loads((FIXTURE / "sizes.json").read_text())
+META = json.loads((FIXTURE / "meta.json").read_text())
+# the fixture uses the reference's flat setting names
+SETTINGS = {
+    "patch_size": SIZES["settings"]["vision_patch_size"],
+    "downsample_ratio": SIZES["settings"]["vision_downsample_ratio"],
+    "min_pixels": SIZES["settings"]["vision_min_pixels"],
+    "max_image_tokens": SIZES["settings"]["vision_max_n_token"],
+    "max_wh_ratio": SIZES["settings"]["vision_max_wh_ratio"],
+}
+
+
+@pytest.mark.parametrize("entry", SIZES["sizes"], ids=lambda e: f"{e['width']}x{e['height']}")
+def test_resize_plan(entry):
+    plan = plan_image(entry["width"], entry["height"], **SETTINGS)
+    got = {key: getattr(plan, key) for key in ("best_h", "best_w", "n_vit_h", "n_vit_w", "n_llm_h", "n_llm_w")}
+    got["span_tokens"] = plan.span_tokens
+    assert got == {key: entry[key] for key in got}
+    assert plan.span_tokens <= SETTINGS["max_image_tokens"]
+
+
+@pytest.mark.parametrize("index", range(len(META["images"])))
+def test_processed_image_is_bit_exact(index):
+    image = META["images"][index]
+    expected = load_file(FIXTURE / "expected.safetensors")
+    out = DeepseekV41ImageProcessor(**SETTINGS)(str(FIXTURE / image["file"]))
+    grid = out["image_grids"][0].tolist()
+    assert grid == [image["n_vit_h"], image["n_vit_w"], image["n_llm_h"], image["n_llm_w"]]
+    assert out["pixel_values"].dtype == torch.bfloat16
+    assert torch.equal(out["pixel_values"], expected[f"pixel_values.image{index}"])
+    types = torch.tensor(span_token_types(image["n_llm_h"], image["n_llm_w"]))
+    assert len(types) == image["span_tokens"]
+    assert torch.equal(types, expected[f"token_types.image{index}"])
+
+
+def test_image_input_kinds_agree():
+    path = FIXTURE / META["images"][0]["file"]
+    processor = DeepseekV41ImageProcessor(**SETTINGS)
+    reference = processor(str(path))["pixel_values"]
+    with Image.open(path) as pil:
+        pil.load()
+        array = np.asarray(pil.convert("RGB"))
+        for variant in (pil, path.read_bytes(), array):
+            assert torch.equal(processor(variant)["pixel_values"], reference)
+    batch = processor([str(path), [str(path)]])
+    assert batch["image_grids"].shape == (2, 4)
+    assert torch.equal(batch["pixel_values"], torch.cat([reference, reference]))
+
+
+@pytest.mark.parametrize("bad", [b"definitely not an image", "/no/such/file.png", 12345])
+def test_undecodable_image_is_a_clear_error(bad):
+    with pytest.raises(ValueError, match="Image 0: Could not decode the image"):
+        DeepseekV41ImageProcessor(**SETTINGS)(bad)
+
+
+def test_max_wh_ratio_clips_and_resizes():
+    processor = DeepseekV41ImageProcessor(**{**SETTINGS, "max_wh_ratio": 2.0})
+    plan = processor.plan(2000, 500)
+    assert plan == plan_image(1000, 500, **{**SETTINGS, "max_wh_ratio": None})
+    out = processor(Image.new("RGB", (2000, 500), (10, 200, 30)))
+    # a plain resize: no gray padding anywhere
+    assert not (out["pixel_values"] == torch.tensor(127 / 255 * 2 - 1, dtype=torch.bfloat16)).any()
+
+
+def test_settings_from_hub_config(tmp_path):
+    vision_config = {"patch_size": 14, "downsample_ratio": 3, "min_pixels": 7056, "max_image_tokens": 64,
+                     "max_wh_ratio": None, "hidden_size": 64}
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v41", "vision_config": vision_config}))
+    processor = DeepseekV41ImageProcessor.from_pretrained(tmp_path)
+    assert (processor.min_pixels, processor.max_image_tokens) == (7056, 64)
+
+    saved = tmp_path / "saved"
+    processor.save_pretrained(saved)
+    reloaded = DeepseekV41ImageProcessor.from_pretrained(saved)
+    assert reloaded.to_dict() == processor.to_dict()
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v41", "vision_config": None}))
+    with pytest.raises(ValueError, match="no vision_config"):
+        DeepseekV41ImageProcessor.from_pretrained(tmp_path)
