@@ -27,16 +27,16 @@ class DeepseekV41Compressor(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """x [B,S,D], positions [B,S] (-1: padding). Returns (latents [B,G,hd], rows [B,G] pool row of each latent
         or -1 where no group completed, the new carry (kv, score) [B, r, hd] of the incomplete last group)."""
-        if self.ratio == 1:
-            return self.norm(self.wkv(x)), positions, None
-        r = self.ratio
-        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-        h = x.to(acc)
-        kv, score = self.wkv(h), self.wgate(h)
         live = positions >= 0
         big = torch.iinfo(positions.dtype).max
         first = torch.where(live, positions, big).amin(dim=1).clamp_max(big - 1)
         last = torch.where(live, positions, -1).amax(dim=1)
+        if self.ratio == 1:
+            return self._per_token(x, positions, live, first, last)
+        r = self.ratio
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        h = x.to(acc)
+        kv, score = self.wkv(h), self.wgate(h)
         base_group = torch.div(first, r, rounding_mode="floor")
         n_groups = int((torch.div(last, r, rounding_mode="floor") - base_group).amax().clamp_min(-1)) + 1
         batch, hd = x.shape[0], kv.shape[-1]
@@ -64,3 +64,15 @@ class DeepseekV41Compressor(nn.Module):
         new_kv = group_kv.gather(1, gather).squeeze(1)
         new_score = group_score.gather(1, gather).squeeze(1)
         return self.norm(latents.to(x.dtype)), pool_rows, (new_kv, new_score)
+
+    def _per_token(self, x, positions, live, first, last):
+        """Ratio 1: every token is a pool row; rows are laid out by position from each row's first position."""
+        latents = self.norm(self.wkv(x))
+        n_done = int((last + 1 - first).amax().clamp_min(0))
+        local = (positions - first.unsqueeze(1)).clamp(0, max(n_done - 1, 0))
+        out = latents.new_zeros(x.shape[0], n_done, latents.shape[-1])
+        rows = torch.full((x.shape[0], n_done), -1, dtype=positions.dtype, device=x.device)
+        batch_ids = torch.arange(x.shape[0], device=x.device).unsqueeze(1).expand_as(positions)
+        out[batch_ids[live], local[live]] = latents[live]
+        rows[batch_ids[live], local[live]] = positions[live]
+        return out, rows, None

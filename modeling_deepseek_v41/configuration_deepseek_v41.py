@@ -99,7 +99,9 @@ class DeepseekV41TextConfig(PreTrainedConfig):
         self.rms_norm_eps = rms_norm_eps
         self.max_position_embeddings = max_position_embeddings
         self.rope_theta = rope_theta
-        self.rope_scaling = dict(rope_scaling) if rope_scaling is not None else {
+        # transformers keeps rope settings under `rope_parameters` (`rope_scaling` is its alias); accept both names
+        rope_scaling = kwargs.pop("rope_parameters", None) or rope_scaling
+        self.rope_parameters = dict(rope_scaling) if rope_scaling is not None else {
             "rope_type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1,
             "original_max_position_embeddings": 65536,
         }

@@ -39,8 +39,9 @@ class DeepseekV41DSparkBlock(DeepseekV41Block):
     """One drafter stage: a window-only block with the drafter's own expert count. Stage 0 also projects the
     backbone taps (`main_proj`, `main_norm`); the last stage holds the final norm and the two heads."""
 
-    def __init__(self, config, spec: LayerSpec, stage: int, quantized: bool) -> None:
-        super().__init__(config, spec, quantized, has_vision_bias=False,
+    def __init__(self, config, spec: LayerSpec, stage: int, quantized: bool, has_vision_bias: bool) -> None:
+        # the checkpoint carries an (unused) image bias for the drafter gates too when vision is enabled
+        super().__init__(config, spec, quantized, has_vision_bias=has_vision_bias,
                          n_experts=config.dspark_n_routed_experts or config.n_routed_experts,
                          top_k=config.dspark_num_experts_per_tok or config.num_experts_per_tok)
         self.stage = stage

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -11,6 +12,7 @@ from transformers import initialization as init
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
 from .block import DeepseekV41BackboneBlock, DeepseekV41Block
+from .checkpoint_layout import validate_checkpoint_folder
 from .configuration_deepseek_v41 import DeepseekV41Config
 from .dspark import DeepseekV41DSparkBlock
 from .engram import DeepseekV41Engram, DeepseekV41EngramTable
@@ -23,6 +25,7 @@ from .norms import DeepseekV41RMSNorm
 from .numerics import quantize_fp4_weight, quantize_fp8_weight
 from .quantized_linear import STORAGE_FP4, STORAGE_FP8, DeepseekV41Linear
 from .rope import rope_angles, rope_inv_freq
+from .vision import DeepseekV41VisionAligner, DeepseekV41VisionTower, embed_images, merge_image_embeddings
 
 
 @dataclass
@@ -44,6 +47,18 @@ class ForwardContext:
     engram_live: torch.Tensor | None  # [B,S] False at image-span and padding positions
     image_mask: torch.Tensor | None  # [B,S] True inside image spans
     share: ForwardShare
+
+
+@dataclass
+class BackboneRun:
+    """What one pass over the backbone layers produced."""
+
+    streams: torch.Tensor  # [B,S,hc,D] output of the last block
+    pre_mix: torch.Tensor  # [B,S,hc] collapse weights for the final norm
+    all_streams: tuple[torch.Tensor, ...] | None  # embedding streams, then every block's output
+    router_logits: list[torch.Tensor]
+    experts: list[torch.Tensor]
+    taps: list[torch.Tensor]  # DSpark taps in dspark_target_layer_ids order
 
 
 class DeepseekV41PreTrainedModel(PreTrainedModel):
@@ -126,9 +141,14 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
         self.head = DeepseekV41Linear(text.hidden_size, text.vocab_size, dtype=torch.float32)
         drafting = text.dspark_block_size > 0
         self.mtp = nn.ModuleList(
-            DeepseekV41DSparkBlock(text, spec, stage, quantized)
+            DeepseekV41DSparkBlock(text, spec, stage, quantized, vision)
             for stage, spec in enumerate(self.plan.dspark_layers if drafting else ())
         )
+        if vision:
+            self.vision = DeepseekV41VisionTower(config.vision_config)
+            self.aligner = DeepseekV41VisionAligner(config.vision_config, text.hidden_size)
+            for name in ("image_start", "image_end", "image_newline"):
+                setattr(self, name, nn.Parameter(torch.empty(text.hidden_size, dtype=torch.bfloat16)))
         if self.plan.engram_layers:
             self.engram_layout = EngramHashLayout.from_config(text)
             # built from the tokenizer when a checkpoint does not carry it; -1 marks "not built yet"
@@ -145,6 +165,11 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
         tokenizer when the weights do not carry it, and `weight_mode="bf16"` dequantization after loading."""
         hub_kwargs = {k: kwargs[k] for k in ("revision", "cache_dir", "token", "local_files_only", "subfolder")
                       if k in kwargs}
+        if os.path.isdir(pretrained_model_name_or_path) and not kwargs.get("ignore_mismatched_sizes"):
+            config = kwargs.get("config")
+            if not isinstance(config, DeepseekV41Config):
+                config = cls.config_class.from_pretrained(pretrained_model_name_or_path)
+            validate_checkpoint_folder(pretrained_model_name_or_path, config)
         loaded = super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
         model = loaded[0] if isinstance(loaded, tuple) else loaded
         if hasattr(model, "engram_token_map") and bool((model.engram_token_map < 0).any()):
@@ -245,8 +270,41 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
         rows = context.engram_rows[:, :, layer.spec.engram_slot]
         return layer.engram(streams, rows, context.engram_live)
 
-    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed(input_ids)
+    def run_backbone(self, hidden: torch.Tensor, context: ForwardContext, output_hidden_states: bool = False
+                     ) -> "BackboneRun":
+        """Expand the embeddings into the hc streams and run every backbone layer (Engram, DSpark tap, block)."""
+        streams = hidden.unsqueeze(2).repeat(1, 1, self.config.text_config.hc_mult, 1)
+        pre_mix = torch.zeros(*streams.shape[:3], dtype=torch.float64 if streams.dtype == torch.float64
+                              else torch.float32, device=streams.device)
+        pre_mix[..., 0] = 1.0
+        run = BackboneRun(streams, pre_mix, (streams,) if output_hidden_states else None, [], [], [])
+        for index in range(len(self.layers)):
+            streams = self.apply_engram(index, streams, context)
+            if self.layers[index].spec.is_dspark_tap:
+                run.taps.append(streams.mean(dim=2))
+            streams, pre_mix, logits, experts = self.layer_step(index, streams, pre_mix, context)
+            run.router_logits.append(logits)
+            run.experts.append(experts)
+            if output_hidden_states:
+                run.all_streams += (streams,)
+        run.streams, run.pre_mix = streams, pre_mix
+        return run
+
+    def embed_tokens(self, input_ids: torch.Tensor, token_types: torch.Tensor | None = None,
+                     pixel_values: torch.Tensor | None = None, image_grids: torch.Tensor | None = None
+                     ) -> torch.Tensor:
+        """Token embeddings with every image span overwritten: delimiters by the learned vectors, image slots by
+        the ViT + aligner features in reading order."""
+        hidden = self.embed(input_ids)
+        if pixel_values is None:
+            return hidden
+        if not self.config.vision_enabled:
+            raise ValueError("pixel_values were given but this checkpoint has no vision tower (vision_config).")
+        if token_types is None or image_grids is None:
+            raise ValueError("Images need the processor's token_types and image_grids next to pixel_values.")
+        image_embeds = embed_images(self.vision, self.aligner, pixel_values, image_grids)
+        return merge_image_embeddings(hidden, token_types, image_embeds, self.image_start, self.image_newline,
+                                      self.image_end)
 
     def forward(
         self,
@@ -260,6 +318,8 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
         output_hidden_states: bool | None = None,
         output_router_logits: bool | None = None,
         token_types: torch.Tensor | None = None,
+        pixel_values: torch.Tensor | None = None,
+        image_grids: torch.Tensor | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs,
     ) -> DeepseekV41CausalLMOutput:
@@ -275,22 +335,11 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
                 f"Sequence of {input_ids.shape[1]} tokens exceeds max_position_embeddings ({max_positions})."
             )
         context = self.prepare_context(input_ids, attention_mask, token_types)
-        hidden = inputs_embeds if inputs_embeds is not None else self.embed_tokens(input_ids)
-        streams = hidden.unsqueeze(2).repeat(1, 1, self.config.text_config.hc_mult, 1)
-        pre_mix = torch.zeros(*streams.shape[:3], dtype=torch.float64 if streams.dtype == torch.float64
-                              else torch.float32, device=streams.device)
-        pre_mix[..., 0] = 1.0
-        all_streams = (streams,) if output_hidden_states else None
-        router_logits, router_experts, taps = [], [], []
-        for index in range(len(self.layers)):
-            streams = self.apply_engram(index, streams, context)
-            if self.layers[index].spec.is_dspark_tap:
-                taps.append(streams.mean(dim=2))
-            streams, pre_mix, logits_i, experts_i = self.layer_step(index, streams, pre_mix, context)
-            router_logits.append(logits_i)
-            router_experts.append(experts_i)
-            if output_hidden_states:
-                all_streams += (streams,)
+        hidden = inputs_embeds if inputs_embeds is not None else self.embed_tokens(
+            input_ids, token_types, pixel_values, image_grids)
+        run = self.run_backbone(hidden, context, output_hidden_states=bool(output_hidden_states))
+        streams, pre_mix = run.streams, run.pre_mix
+        all_streams, router_logits, router_experts, taps = run.all_streams, run.router_logits, run.experts, run.taps
         final = hc_collapse(streams, pre_mix)
         kept = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.head(self.norm(final)[:, kept])

@@ -1,0 +1,42 @@
+"""Logical parameter counts by component (packed FP4 bytes count as two weights; scales are not weights)."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+COMPONENTS = {
+    "routed_experts": re.compile(r"^layers\.\d+\.ffn\.experts\."),
+    "shared_experts": re.compile(r"^layers\.\d+\.ffn\.shared_experts\."),
+    "attention": re.compile(r"^layers\.\d+\.attn\."),
+    "embed_and_head": re.compile(r"^(embed|head)\.weight$"),
+    "engram_tables": re.compile(r"^layers\.\d+\.engram\.embed\.weight$"),
+    "engram_projections": re.compile(r"^layers\.\d+\.engram\.(?!embed\.)"),
+    "dspark": re.compile(r"^mtp\."),
+    "vision_tower": re.compile(r"^vision\."),
+    "vision_aligner": re.compile(r"^(aligner\.|image_(start|end|newline)$)"),
+}
+
+
+def logical_numel(name: str, tensor: torch.Tensor, module_storage: dict[str, str]) -> int:
+    """Weights a tensor stands for: packed FP4 (int8 storage) holds two per byte."""
+    return tensor.numel() * (2 if module_storage.get(name) == "fp4" else 1)
+
+
+def count_parameters(model: nn.Module) -> dict[str, int]:
+    """Per-component logical parameter counts, plus `other` (norms, hc mixes, gates...) and `backbone`
+    (everything but the Engram tables, the DSpark drafter and the vision side). Works on the meta device."""
+    storage = {f"{name}.weight": module.storage for name, module in model.named_modules() if hasattr(module, "storage")}
+    counts = dict.fromkeys(list(COMPONENTS) + ["other"], 0)
+    for name, tensor in model.named_parameters():
+        if name.endswith(".scale") and tensor.dtype == torch.float8_e8m0fnu:
+            continue
+        n = logical_numel(name, tensor, storage)
+        group = next((g for g, pattern in COMPONENTS.items() if pattern.search(name)), "other")
+        counts[group] += n
+    excluded = ("engram_tables", "dspark", "vision_tower", "vision_aligner")
+    counts["backbone"] = sum(v for k, v in counts.items() if k not in excluded)
+    counts["total"] = sum(v for k, v in counts.items() if k != "backbone")
+    return counts

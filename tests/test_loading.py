@@ -1,0 +1,123 @@
+"""Loading the hub checkpoint as shipped: both weight modes, the Engram token map, and every loading error."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+import modeling_deepseek_v41  # noqa: F401
+from reference_cases import FIXTURES, load_case
+
+CHECKPOINT = FIXTURES / "tiny-text" / "checkpoint"
+
+
+@pytest.fixture
+def checkpoint_copy(tmp_path):
+    target = tmp_path / "checkpoint"
+    shutil.copytree(CHECKPOINT, target)
+    return target
+
+
+def _edit_shard(folder, edit):
+    """Apply `edit(tensors)` to the first shard and rewrite it (and the index) in place."""
+    index_path = folder / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shard = sorted(set(index["weight_map"].values()))[0]
+    tensors = load_file(folder / shard)
+    edit(tensors)
+    save_file(tensors, folder / shard)
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if v != shard}
+    index["weight_map"].update({k: shard for k in tensors})
+    index_path.write_text(json.dumps(index))
+
+
+def test_loads_as_shipped_without_missing_or_unexpected_keys():
+    model, info = AutoModelForCausalLM.from_pretrained(CHECKPOINT, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert model.layers[1].attn.wq_a.weight.dtype == torch.float8_e4m3fn
+    assert model.layers[1].ffn.experts[0].w1.weight.dtype == torch.int8
+    assert model.head.weight.dtype == torch.float32
+    assert bool((model.engram_token_map >= 0).all())
+
+
+def test_bf16_weight_mode_dequantizes_exactly():
+    quantized = AutoModelForCausalLM.from_pretrained(CHECKPOINT)
+    dense = AutoModelForCausalLM.from_pretrained(CHECKPOINT, weight_mode="bf16")
+    assert dense.config.weight_mode == "bf16" and dense.config.checkpoint_quantization is None
+    assert dense.layers[1].attn.wq_a.weight.dtype == torch.bfloat16 and dense.layers[1].attn.wq_a.scale is None
+    assert torch.equal(dense.layers[1].attn.wq_a.weight.float(), quantized.layers[1].attn.wq_a.dense_weight())
+    assert torch.equal(dense.layers[1].ffn.experts[3].w2.weight.float(),
+                       quantized.layers[1].ffn.experts[3].w2.dense_weight())
+    ids = load_case(str(FIXTURES / "tiny-text")).inputs["input_ids"]
+    with torch.no_grad():
+        logits = dense(ids).logits
+    assert logits.dtype == torch.float32 and bool(torch.isfinite(logits).all())
+
+
+def test_save_pretrained_round_trip_keeps_logits(tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(CHECKPOINT)
+    model.save_pretrained(tmp_path / "saved")
+    assert not (tmp_path / "saved" / "tokenizer.json").exists()  # the token map travels with the weights
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    assert torch.equal(reloaded.engram_token_map, model.engram_token_map)
+    ids = load_case(str(FIXTURES / "tiny-text")).inputs["input_ids"][:, :40]
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, model(ids).logits)
+
+
+def test_missing_tensor_is_named(checkpoint_copy):
+    _edit_shard(checkpoint_copy, lambda t: t.pop(sorted(k for k in t if k.endswith("wq_a.weight"))[0]))
+    with pytest.raises(ValueError, match=r"1 missing tensor\(s\): layers\.\d+\.attn\.wq_a\.weight"):
+        AutoModelForCausalLM.from_pretrained(checkpoint_copy)
+
+
+def test_extra_tensor_is_named(checkpoint_copy):
+    _edit_shard(checkpoint_copy, lambda t: t.update({"layers.0.attn.bogus.weight": torch.zeros(2)}))
+    with pytest.raises(ValueError, match=r"1 unexpected tensor\(s\): layers\.0\.attn\.bogus\.weight"):
+        AutoModelForCausalLM.from_pretrained(checkpoint_copy)
+
+
+def test_wrong_shape_is_named(checkpoint_copy):
+    def shrink(tensors):
+        name = sorted(k for k in tensors if k.endswith("kv_norm.weight"))[0]
+        tensors[name] = tensors[name][:-1].clone()
+    _edit_shard(checkpoint_copy, shrink)
+    with pytest.raises(ValueError, match=r"mis-shaped tensor\(s\): layers\.\d+\.attn\.kv_norm\.weight: shape"):
+        AutoModelForCausalLM.from_pretrained(checkpoint_copy)
+
+
+def test_truncated_and_missing_shards_are_named(checkpoint_copy):
+    shard = sorted(checkpoint_copy.glob("model-*.safetensors"))[-1]
+    shard.write_bytes(shard.read_bytes()[:1000])
+    with pytest.raises(ValueError, match=f"{shard.name} is truncated"):
+        AutoModelForCausalLM.from_pretrained(checkpoint_copy)
+    shard.unlink()
+    with pytest.raises(ValueError, match=f"missing from .*{shard.name}"):
+        AutoModelForCausalLM.from_pretrained(checkpoint_copy)
+
+
+def test_missing_tokenizer_for_token_map(checkpoint_copy):
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (checkpoint_copy / name).unlink()
+    with pytest.raises(ValueError, match="carries no Engram token map.*no tokenizer could be loaded"):
+        AutoModelForCausalLM.from_pretrained(checkpoint_copy)
+
+
+def test_tokenizer_of_another_model_is_rejected(checkpoint_copy):
+    config = json.loads((checkpoint_copy / "config.json").read_text())
+    config["text_config"]["engram_compressed_vocab_size"] += 1
+    (checkpoint_copy / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="compresses to 420 Engram ids but the config's engram_compressed_vocab"):
+        AutoModelForCausalLM.from_pretrained(checkpoint_copy)
+
+
+def test_sequence_beyond_max_positions_is_rejected():
+    model = AutoModelForCausalLM.from_pretrained(CHECKPOINT)
+    model.config.text_config.max_position_embeddings = 8
+    with pytest.raises(ValueError, match="exceeds max_position_embeddings"):
+        model(torch.zeros(1, 9, dtype=torch.long))
