@@ -9,7 +9,7 @@ from .compressor import DeepseekV41Compressor
 from .indexer import DeepseekV41Indexer
 from .layer_plan import LayerSpec
 from .norms import DeepseekV41RMSNorm
-from .numerics import WEIGHT_BLOCK, dequantize_fp8_weight, fp4_qdq, fp8_act_qdq
+from .numerics import fp4_dequantize_rows, fp4_quantize_rows, fp8_act_qdq
 from .quantized_linear import DeepseekV41Linear
 from .rope import apply_rope_tail, rope_angles
 from .sparse_attention import sparse_attention
@@ -72,12 +72,37 @@ class DeepseekV41Attention(nn.Module):
     def _pool_rows(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, share) -> None:
         """Compress this chunk into new pool rows (RoPE'd at each group's first token, FP4-QDQ'd) and their
         index keys, and publish the pool and keys for the layers that read them."""
-        ratio = self.spec.ratio
-        latents, rows, _ = self.compressor(x, positions)
-        rotation = rope_angles(rows.clamp_min(0) * ratio, inv_freq)
-        share.index_keys[self.spec.layer_id] = self.indexer.keys(latents, rotation)
-        pool = fp4_qdq(apply_rope_tail(latents, rotation, self.rope_dim), POOL_FP4_BLOCK, "e4m3")
-        share.pool_kv[self.spec.layer_id] = pool
+        spec, cache = self.spec, share.cache
+        source = spec.layer_id
+        out = self.compressor(x, positions, cache.carry(source) if cache is not None else None)
+        rotation = rope_angles(out.rows.clamp_min(0) * spec.ratio, inv_freq)
+        keys, key_codes = self.indexer.keys(out.latents, rotation)
+        rotated = apply_rope_tail(out.latents, rotation, self.rope_dim)
+        codes, scales = fp4_quantize_rows(rotated, POOL_FP4_BLOCK, "e4m3")
+        if cache is None:
+            share.index_keys[source] = keys
+            share.pool_kv[source] = fp4_dequantize_rows(codes, scales, rotated.dtype)
+            return
+        total = max(cache.pool_rows(source), int(out.rows.amax()) + 1 if out.rows.numel() else 0)
+        cache.write_pool(source, out.rows, (codes, scales), key_codes, out.carry, out.token_kv, out.token_score,
+                         positions)
+        share.index_keys[source] = cache.pool_keys(source, total, x.dtype)
+
+    def _window(self, kv: torch.Tensor, positions: torch.Tensor, share) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each query's window entries [B,S,L,hd] and validity; with a cache, read the ring then write the chunk."""
+        cache = share.cache
+        if cache is None:
+            index, valid = window_entries(positions, self.window)
+            return gather_rows(kv, index), valid
+        entries, valid = cache.window_entries(self.spec.layer_id, kv, positions, self.window)
+        cache.write_window(self.spec.layer_id, kv, positions)
+        return entries, valid
+
+    def _pool_entries(self, selected: torch.Tensor, share, dtype: torch.dtype) -> torch.Tensor:
+        rows = selected.clamp_min(0)
+        if share.cache is None:
+            return gather_rows(share.pool_kv[self.spec.pool_source], rows)
+        return share.cache.gather_pool(self.spec.pool_source, rows, dtype)
 
     def _output(self, o: torch.Tensor) -> torch.Tensor:
         batch, seq = o.shape[:2]
@@ -93,19 +118,17 @@ class DeepseekV41Attention(nn.Module):
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
         q = apply_rope_tail(q, rotation, self.rope_dim)
         kv = fp8_act_qdq(apply_rope_tail(self.kv_norm(self.wkv(x)), rotation, self.rope_dim))
-        index, valid = window_entries(positions, self.window)
-        entries = gather_rows(kv, index)
+        entries, valid = self._window(kv, positions, share)
         spec = self.spec
         if spec.ratio:
             if spec.owns_pool:
                 self._pool_rows(x, positions, inv_freq, share)
-            pool = share.pool_kv[spec.pool_source]
             if spec.is_index_source:
                 visible = torch.div(positions + 1, spec.ratio, rounding_mode="floor").clamp_min(0)
                 selected = self.indexer(x, qr, rotation, share.index_keys[spec.pool_source], visible, share)
                 share.topk[spec.layer_id] = selected
             selected = share.topk[spec.topk_source]
-            entries = torch.cat([entries, gather_rows(pool, selected.clamp_min(0))], dim=2)
+            entries = torch.cat([entries, self._pool_entries(selected, share, kv.dtype)], dim=2)
             valid = torch.cat([valid, selected >= 0], dim=2)
         o = sparse_attention(q, entries, valid, self.attn_sink, self.softmax_scale)
         o = apply_rope_tail(o, rotation, self.rope_dim, inverse=True)

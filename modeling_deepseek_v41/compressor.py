@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
 from .norms import DeepseekV41RMSNorm
 from .quantized_linear import DeepseekV41Linear
+
+
+class CompressorOutput(NamedTuple):
+    latents: torch.Tensor  # [B, G, hd] pre-RoPE latents of the groups this chunk completed (zeros elsewhere)
+    rows: torch.Tensor  # [B, G] pool row of each latent, -1 where none
+    carry: tuple[torch.Tensor, torch.Tensor] | None  # (kv, score) [B, r, hd] of each row's open group
+    token_kv: torch.Tensor | None  # [B, S, hd] the chunk's per-token projections (ratio > 1)
+    token_score: torch.Tensor | None
 
 
 class DeepseekV41Compressor(nn.Module):
@@ -24,9 +34,8 @@ class DeepseekV41Compressor(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
                 carry: tuple[torch.Tensor, torch.Tensor] | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-        """x [B,S,D], positions [B,S] (-1: padding). Returns (latents [B,G,hd], rows [B,G] pool row of each latent
-        or -1 where no group completed, the new carry (kv, score) [B, r, hd] of the incomplete last group)."""
+                ) -> CompressorOutput:
+        """x [B,S,D], positions [B,S] (-1: padding); `carry` continues each row's open group from earlier calls."""
         live = positions >= 0
         big = torch.iinfo(positions.dtype).max
         first = torch.where(live, positions, big).amin(dim=1).clamp_max(big - 1)
@@ -63,7 +72,7 @@ class DeepseekV41Compressor(nn.Module):
         gather = open_group.clamp(0, n_groups).view(batch, 1, 1, 1).expand(batch, 1, r, hd)
         new_kv = group_kv.gather(1, gather).squeeze(1)
         new_score = group_score.gather(1, gather).squeeze(1)
-        return self.norm(latents.to(x.dtype)), pool_rows, (new_kv, new_score)
+        return CompressorOutput(self.norm(latents.to(x.dtype)), pool_rows, (new_kv, new_score), kv, score)
 
     def _per_token(self, x, positions, live, first, last):
         """Ratio 1: every token is a pool row; rows are laid out by position from each row's first position."""
@@ -75,4 +84,4 @@ class DeepseekV41Compressor(nn.Module):
         batch_ids = torch.arange(x.shape[0], device=x.device).unsqueeze(1).expand_as(positions)
         out[batch_ids[live], local[live]] = latents[live]
         rows[batch_ids[live], local[live]] = positions[live]
-        return out, rows, None
+        return CompressorOutput(out, rows, None, None, None)

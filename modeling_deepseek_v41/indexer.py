@@ -6,10 +6,10 @@ import torch
 from torch import nn
 
 from .norms import DeepseekV41RMSNorm
-from .numerics import fp4_qdq
+from .numerics import fp4_dequantize_rows, fp4_qdq, fp4_quantize_rows
 from .quantized_linear import DeepseekV41Linear
 from .rope import apply_rope_tail
-from .sparse_attention import select_candidate_blocks, stable_topk_indices
+from .sparse_attention import candidate_mask, candidate_positions, select_candidate_blocks, stable_topk_indices
 
 INDEX_FP4_BLOCK = 32
 
@@ -37,10 +37,13 @@ class DeepseekV41Indexer(nn.Module):
             self.wk = DeepseekV41Linear(config.head_dim, self.head_dim)
             self.k_norm = DeepseekV41RMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def keys(self, latents: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
-        """Index keys of new pool rows from their pre-RoPE latents; rotation at each row's first token."""
+    def keys(self, latents: torch.Tensor, rotation: torch.Tensor
+             ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """Index keys of new pool rows from their pre-RoPE latents (rotation at each row's first token): the FP4
+        values and their (codes, scales)."""
         k = apply_rope_tail(self.k_norm(self.wk(latents)), rotation, self.rope_dim)
-        return fp4_qdq(k, INDEX_FP4_BLOCK, "e8m0")
+        codes, scales = fp4_quantize_rows(k, INDEX_FP4_BLOCK, "e8m0")
+        return fp4_dequantize_rows(codes, scales, k.dtype), (codes, scales)
 
     def forward(self, x: torch.Tensor, qr: torch.Tensor, rotation: torch.Tensor, keys: torch.Tensor,
                 visible: torch.Tensor, share) -> torch.Tensor:
@@ -49,6 +52,9 @@ class DeepseekV41Indexer(nn.Module):
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
         q = fp4_qdq(apply_rope_tail(q, rotation, self.rope_dim), INDEX_FP4_BLOCK, "e8m0")
         weights = self.weights_proj(x) * (self.head_dim**-0.5 * self.n_heads**-0.5)
+        k = min(self.topk, keys.shape[1])
+        if self.spec.uses_candidates and share.cache is not None and self._candidates_cover_topk():
+            return self._select_in_candidates(q, weights, keys, visible, share, k)
         scores = torch.einsum("bshd,btd->bsht", q, keys.to(q.dtype))
         scores = (scores.relu() * weights.unsqueeze(-1)).sum(dim=2)
         row_ids = torch.arange(keys.shape[1], device=x.device)
@@ -57,10 +63,35 @@ class DeepseekV41Indexer(nn.Module):
             share.candidates = select_candidate_blocks(scores, visible, self.candidate_blocks,
                                                        self.candidate_block_size)
         elif self.spec.uses_candidates:
-            scores = scores.masked_fill(~share.candidates, -torch.inf)
+            mask = candidate_mask(share.candidates, self.candidate_block_size, keys.shape[1])
+            scores = scores.masked_fill(~mask, -torch.inf)
         if share.record_selection:
             share.index_scores[self.spec.layer_id] = scores
             if self.spec.is_candidate_source:
                 share.candidate_history[self.spec.layer_id] = share.candidates
-        picked = stable_topk_indices(scores, min(self.topk, keys.shape[1])).sort(dim=-1).values
+        picked = stable_topk_indices(scores, k).sort(dim=-1).values
         return torch.where(picked < visible.unsqueeze(-1), picked, -1)
+
+    def _candidates_cover_topk(self) -> bool:
+        """Whether every query always has at least top-k reachable candidates once it has top-k visible rows, so
+        scoring only inside the candidate blocks selects what the dense masked scoring selects."""
+        return (self.candidate_blocks - 1) * self.candidate_block_size + 1 >= self.topk
+
+    def _select_in_candidates(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
+                              visible: torch.Tensor, share, k: int) -> torch.Tensor:
+        """Gather the candidate blocks' keys per query, then score only those (decode cost independent of the
+        pool length); ties still go to the earlier position because candidates are listed in position order."""
+        positions = candidate_positions(share.candidates, self.candidate_block_size)
+        valid = (positions >= 0) & (positions < visible.unsqueeze(-1))
+        batch, seq, width = positions.shape
+        flat = torch.where(valid, positions, 0).reshape(batch, seq * width, 1).expand(-1, -1, keys.shape[-1])
+        gathered = keys.to(q.dtype).gather(1, flat).view(batch, seq, width, keys.shape[-1])
+        scores = torch.einsum("bshd,bsmd->bshm", q, gathered)
+        scores = (scores.relu() * weights.unsqueeze(-1)).sum(dim=2).masked_fill(~valid, -torch.inf)
+        chosen = stable_topk_indices(scores, min(k, width))
+        picked = torch.where(scores.gather(-1, chosen) > -torch.inf, positions.gather(-1, chosen), -1)
+        picked = torch.where(picked >= 0, picked, keys.shape[1]).sort(dim=-1).values
+        picked = torch.where(picked < keys.shape[1], picked, -1)
+        if picked.shape[-1] < k:
+            picked = torch.cat([picked, picked.new_full((batch, seq, k - picked.shape[-1]), -1)], dim=-1)
+        return picked

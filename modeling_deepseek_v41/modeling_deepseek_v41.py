@@ -11,6 +11,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
+from .cache import DeepseekV41Cache
 from .block import DeepseekV41BackboneBlock, DeepseekV41Block
 from .checkpoint_layout import validate_checkpoint_folder
 from .configuration_deepseek_v41 import DeepseekV41Config
@@ -203,6 +204,31 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
     def get_output_embeddings(self) -> nn.Module:
         return self.head
 
+    # -- generation ------------------------------------------------------------------------------------------
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs) -> None:
+        """generate() gets a DeepseekV41Cache (the dynamic caches of transformers cannot hold CSA2 pools)."""
+        if model_kwargs.get("cache") is not None:
+            model_kwargs["cache"]._is_user_defined = True
+            return
+        if generation_config.use_cache is False:
+            return
+        model_kwargs["cache"] = DeepseekV41Cache(self.config)
+
+    def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, *args, **kwargs) -> dict:
+        """Images and their token types belong to the prefill only; later steps feed text tokens."""
+        is_first = kwargs.get("is_first_iteration", False)
+        cache = kwargs.get("cache")
+        continuing = cache is not None and cache.get_seq_length() > 0 and not is_first
+        token_types = kwargs.pop("token_types", None)
+        model_inputs = super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
+        if continuing:
+            for key in ("pixel_values", "image_grids"):
+                model_inputs.pop(key, None)
+        elif token_types is not None:
+            width = model_inputs["input_ids"].shape[1]
+            model_inputs["token_types"] = token_types[:, -width:]
+        return model_inputs
+
     # -- forward pieces --------------------------------------------------------------------------------------
     def _inv_freq(self, theta: float, yarn: bool, device: torch.device) -> torch.Tensor:
         text = self.config.text_config
@@ -213,8 +239,9 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
             float(scaling.get("beta_fast", 32)), float(scaling.get("beta_slow", 1)),
         ).to(device)
 
-    def engram_rows(self, input_ids: torch.Tensor, dead: torch.Tensor | None) -> torch.Tensor:
-        """Global Engram table rows [B,S,n_engram_layers,columns] of every position of `input_ids`."""
+    def engram_rows(self, input_ids: torch.Tensor, dead: torch.Tensor | None, cache=None) -> torch.Tensor:
+        """Global Engram table rows [B,S,n_engram_layers,columns] of every position of `input_ids`; with a cache,
+        n-grams reach back into the cached history."""
         token_map = self.engram_token_map
         if bool((token_map < 0).any()):
             raise RuntimeError(
@@ -225,22 +252,26 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
         compressed = token_map[input_ids]
         if dead is not None:
             compressed = compressed.masked_fill(dead, DEAD)
+        history = cache.append_history(compressed) if cache is not None else compressed
         pad = int(token_map[text.engram_pad_token_id])
-        shifted = ngram_window(compressed, pad, text.engram_max_ngram_size, input_ids.shape[1])
+        shifted = ngram_window(history, pad, text.engram_max_ngram_size, input_ids.shape[1])
         primes, offsets, multipliers = (t.to(input_ids.device) for t in self.engram_layout.tensors())
         return engram_hash_ids(shifted, primes, offsets, multipliers)
 
     def prepare_context(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                        token_types: torch.Tensor | None = None, record_selection: bool = False) -> ForwardContext:
+                        token_types: torch.Tensor | None = None, record_selection: bool = False,
+                        cache=None) -> ForwardContext:
         batch, seq = input_ids.shape
         device = input_ids.device
-        if attention_mask is None:
+        if cache is not None:
+            positions = cache.chunk_positions(batch, seq, attention_mask, device, self.embed.weight.dtype)
+        elif attention_mask is None:
             positions = torch.arange(seq, device=device).expand(batch, seq)
-            padding = None
         else:
-            mask = attention_mask.to(torch.bool)
+            mask = attention_mask[:, -seq:].to(torch.bool)
             positions = torch.where(mask, mask.long().cumsum(-1) - 1, -1)
-            padding = ~mask if not bool(mask.all()) else None
+        padding = positions < 0
+        padding = padding if bool(padding.any()) else None
         image_mask = token_types >= 0 if token_types is not None else None
         dead = image_mask
         if padding is not None:
@@ -249,11 +280,13 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
         for theta, yarn in self._rope_tables:
             inv_freq = self._inv_freq(theta, yarn, device)
             rotations[(theta, yarn)] = (rope_angles(positions.clamp_min(0), inv_freq), inv_freq)
-        engram_rows = self.engram_rows(input_ids, dead) if self.plan.engram_layers else None
+        engram_rows = self.engram_rows(input_ids, dead, cache) if self.plan.engram_layers else None
+        if cache is not None and not self.plan.engram_layers:
+            cache.append_history(torch.full_like(input_ids, DEAD))
         return ForwardContext(
             positions=positions, rotations=rotations, engram_rows=engram_rows,
             engram_live=None if dead is None else ~dead, image_mask=image_mask,
-            share=ForwardShare(record_selection=record_selection),
+            share=ForwardShare(record_selection=record_selection, cache=cache),
         )
 
     def layer_step(self, index: int, streams: torch.Tensor, pre_mix: torch.Tensor, context: ForwardContext
@@ -311,6 +344,7 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
+        cache=None,
         past_key_values=None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
@@ -327,19 +361,27 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
         and router logits with `output_router_logits`. `token_types` (-1 text, >= 0 image span) marks image spans."""
         if input_ids is None:
             raise ValueError("DeepseekV41ForCausalLM needs input_ids: the Engram hash is computed from token ids.")
-        if past_key_values is not None:
-            raise NotImplementedError("Incremental decoding with a cache is not available yet.")
+        cache = cache if cache is not None else past_key_values
+        if cache is None and use_cache:
+            cache = DeepseekV41Cache(self.config)
+        if cache is not None:
+            if not isinstance(cache, DeepseekV41Cache):
+                raise TypeError(f"DeepseekV41ForCausalLM needs a DeepseekV41Cache, got {type(cache).__name__}.")
+            cache.check_compatible(self.config.text_config)
+        past = cache.get_seq_length() if cache is not None else 0
         max_positions = self.config.text_config.max_position_embeddings
-        if input_ids.shape[1] > max_positions:
+        if past + input_ids.shape[1] > max_positions:
             raise ValueError(
-                f"Sequence of {input_ids.shape[1]} tokens exceeds max_position_embeddings ({max_positions})."
+                f"Sequence of {past + input_ids.shape[1]} tokens exceeds max_position_embeddings ({max_positions})."
             )
-        context = self.prepare_context(input_ids, attention_mask, token_types)
+        context = self.prepare_context(input_ids, attention_mask, token_types, cache=cache)
         hidden = inputs_embeds if inputs_embeds is not None else self.embed_tokens(
             input_ids, token_types, pixel_values, image_grids)
         run = self.run_backbone(hidden, context, output_hidden_states=bool(output_hidden_states))
         streams, pre_mix = run.streams, run.pre_mix
         all_streams, router_logits, router_experts, taps = run.all_streams, run.router_logits, run.experts, run.taps
+        if cache is not None:
+            cache.commit(context.positions)
         final = hc_collapse(streams, pre_mix)
         kept = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.head(self.norm(final)[:, kept])
@@ -347,7 +389,7 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
         if labels is not None:
             loss = self.loss_function(logits, labels, self.config.text_config.vocab_size, **kwargs)
         return DeepseekV41CausalLMOutput(
-            loss=loss, logits=logits, hidden_states=all_streams,
+            loss=loss, logits=logits, hidden_states=all_streams, cache=cache,
             router_logits=tuple(router_logits) if output_router_logits else None,
             dspark_hidden=torch.cat(taps, dim=-1) if taps else None,
             router_experts=tuple(router_experts) if output_router_logits else None,

@@ -55,7 +55,7 @@ def select_candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, topk_bl
     """Level one of the two-level selection: per query, the `topk_blocks` blocks of `block_size` compressed
     positions with the best maximum score. The block holding the newest visible position is always kept (it is
     only partly filled); unreachable blocks are dropped. scores [B,S,N] (-inf where invisible), visible [B,S]
-    counts. Returns a bool mask [B,S,N]."""
+    counts. Returns the chosen block ids [B,S,min(topk_blocks, n_blocks)], ascending, -1 for dropped picks."""
     width = scores.shape[-1]
     block_scores = F.pad(scores, (0, -width % block_size), value=-torch.inf)
     block_scores = block_scores.unflatten(-1, (-1, block_size)).amax(dim=-1)
@@ -64,6 +64,21 @@ def select_candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, topk_bl
     block_ids = torch.arange(n_blocks, device=scores.device)
     block_scores = block_scores.masked_fill(block_ids == newest.unsqueeze(-1), torch.inf)
     chosen = stable_topk_indices(block_scores, min(topk_blocks, n_blocks))
-    keep = torch.zeros_like(block_scores, dtype=torch.bool)
-    keep.scatter_(-1, chosen, block_scores.gather(-1, chosen) > -torch.inf)
-    return keep.repeat_interleave(block_size, dim=-1)[..., :width]
+    reachable = block_scores.gather(-1, chosen) > -torch.inf
+    ids = torch.where(reachable, chosen, n_blocks).sort(dim=-1).values
+    return torch.where(ids == n_blocks, -1, ids)
+
+
+def candidate_mask(blocks: torch.Tensor, block_size: int, width: int) -> torch.Tensor:
+    """Chosen block ids [B,S,nb] (-1 unused) -> bool mask [B,S,width] over compressed positions."""
+    n_blocks = -(-width // block_size)
+    keep = torch.zeros(*blocks.shape[:-1], n_blocks + 1, dtype=torch.bool, device=blocks.device)
+    keep.scatter_(-1, torch.where(blocks >= 0, blocks, n_blocks), True)
+    return keep[..., :n_blocks].repeat_interleave(block_size, dim=-1)[..., :width]
+
+
+def candidate_positions(blocks: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Chosen block ids [B,S,nb] -> the compressed positions they hold [B,S,nb*block_size], ascending (-1 unused)."""
+    offsets = torch.arange(block_size, device=blocks.device)
+    positions = blocks.unsqueeze(-1) * block_size + offsets
+    return torch.where(blocks.unsqueeze(-1) >= 0, positions, -1).flatten(-2)

@@ -1,0 +1,325 @@
+"""DeepseekV41Cache: the shared CSA2 pools (packed FP4 KV and index keys), per-layer FP8 window rings, ratio-r
+carries and the Engram token history, with crop, beam reordering and byte accounting."""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache
+
+from .kv_storage import PackedRows
+from .layer_plan import LayerPlan
+
+DEFAULT_CROP_HORIZON = 64
+
+
+class _Pool:
+    """One KV source's compressed rows and index keys, plus its raw recent tokens for restoring a carry."""
+
+    def __init__(self, ratio: int, head_dim: int, index_dim: int, batch: int, horizon: int,
+                 device: torch.device, compute_dtype: torch.dtype) -> None:
+        self.ratio = ratio
+        self.kv = PackedRows("fp4_e4m3", batch, head_dim, 0, device)
+        self.keys = PackedRows("fp4_e8m0", batch, index_dim, 0, device)
+        self.carry: tuple[torch.Tensor, torch.Tensor] | None = None
+        # the fp32 projections of the last `horizon + ratio` tokens, by position modulo that size
+        self.recent_size = horizon + ratio if ratio > 1 else 0
+        shape = (batch, self.recent_size, head_dim)
+        self.recent_kv = torch.zeros(shape, dtype=compute_dtype, device=device)
+        self.recent_score = torch.full(shape, -torch.inf, dtype=compute_dtype, device=device)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = {"kv_codes": self.kv.codes, "kv_scales": self.kv.scales, "key_codes": self.keys.codes,
+               "key_scales": self.keys.scales}
+        if self.ratio > 1:
+            out.update(recent_kv=self.recent_kv, recent_score=self.recent_score)
+            if self.carry is not None:
+                out.update(carry_kv=self.carry[0], carry_score=self.carry[1])
+        return out
+
+
+class _Ring:
+    """A layer's window KV: FP8 rows in `size` slots indexed by position modulo size, with each slot's position."""
+
+    def __init__(self, size: int, head_dim: int, batch: int, device: torch.device) -> None:
+        self.size = size
+        self.rows = PackedRows("fp8_e8m0", batch, head_dim, size, device)
+        self.positions = torch.full((batch, size), -1, dtype=torch.long, device=device)
+
+
+class DeepseekV41Cache(Cache):
+    """The state DeepSeek-V4.1 carries between forward calls.
+
+    - per KV source (a "Full" layer): the compressed KV rows (E2M1 + E4M3 scale per 16: 288 bytes per 512-wide
+      row), the index keys (E2M1 + E8M0 per 32: 68 bytes per 128-wide row), and for ratio r > 1 the fp32 carry of
+      the incomplete group;
+    - per layer (backbone and DSpark blocks): an FP8 window ring (e4m3 + E8M0 per 32: 528 bytes per slot) of
+      `sliding_window + crop_horizon` slots, so the cache can be cropped back that far exactly;
+    - the Engram compressed-token history.
+
+    Positions are per batch row (left padding shifts them); `get_seq_length()` counts input columns, padding
+    included, as `generate()` expects. Create it directly or let `generate()` do it.
+    """
+
+    def __init__(self, config, crop_horizon: int = DEFAULT_CROP_HORIZON) -> None:
+        super().__init__(layers=[])
+        self.text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        self.plan = LayerPlan.from_config(self.text_config)
+        self.crop_horizon = crop_horizon
+        self.config_signature = self.signature_of(self.text_config)
+        self.reset()
+
+    @staticmethod
+    def signature_of(text_config) -> tuple:
+        """What a cache must agree on with the model that uses it."""
+        keys = ("hidden_size", "head_dim", "num_hidden_layers", "compress_ratios", "kv_source_layer_ids",
+                "index_source_layer_ids", "sliding_window", "index_head_dim", "engram_layer_ids", "vocab_size")
+        return tuple((k, str(getattr(text_config, k))) for k in keys)
+
+    # -- lifecycle -------------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        self.columns = 0
+        self.lengths: torch.Tensor | None = None  # [B] real tokens per row
+        self.pools: dict[int, _Pool] = {}
+        self.rings: dict[int, _Ring] = {}
+        self.history: torch.Tensor | None = None  # [B, columns] compressed ids (DEAD for images and padding)
+        self.real: torch.Tensor | None = None  # [B, columns] True where a column is a real token (not padding)
+        self.compute_dtype: torch.dtype | None = None
+
+    @property
+    def is_initialized(self) -> bool:
+        return self.lengths is not None
+
+    def check_compatible(self, text_config) -> None:
+        if self.signature_of(text_config) != self.config_signature:
+            raise ValueError(
+                "This DeepseekV41Cache was built for a model with another configuration; create a new cache for "
+                "this model (DeepseekV41Cache(model.config)) or pass cache=None."
+            )
+
+    def _allocate(self, batch: int, device: torch.device, compute_dtype: torch.dtype) -> None:
+        text = self.text_config
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
+        self.history = torch.zeros(batch, 0, dtype=torch.long, device=device)
+        self.real = torch.zeros(batch, 0, dtype=torch.bool, device=device)
+        self.compute_dtype = compute_dtype
+        ring_size = text.sliding_window + self.crop_horizon
+        for spec in self.plan.layers + self.plan.dspark_layers:
+            self.rings[spec.layer_id] = _Ring(ring_size, text.head_dim, batch, device)
+            if spec.owns_pool:
+                self.pools[spec.layer_id] = _Pool(spec.ratio, text.head_dim, text.index_head_dim, batch,
+                                                  self.crop_horizon, device, compute_dtype)
+
+    # -- per-forward bookkeeping ------------------------------------------------------------------------------
+    def chunk_positions(self, batch: int, seq: int, attention_mask: torch.Tensor | None, device: torch.device,
+                        compute_dtype: torch.dtype) -> torch.Tensor:
+        """Positions [B, S] of the next chunk (-1 at padding), continuing each row's real-token count."""
+        if not self.is_initialized:
+            self._allocate(batch, device, compute_dtype)
+        if self.lengths.shape[0] != batch:
+            raise ValueError(f"The cache holds {self.lengths.shape[0]} rows but the input has {batch}.")
+        if attention_mask is None:
+            return self.lengths.unsqueeze(1) + torch.arange(seq, device=device)
+        if attention_mask.shape[1] not in (seq, self.columns + seq):
+            raise ValueError(
+                f"attention_mask covers {attention_mask.shape[1]} columns; expected the chunk ({seq}) or the cache "
+                f"plus the chunk ({self.columns + seq})."
+            )
+        chunk = attention_mask[:, -seq:].to(torch.bool)
+        return torch.where(chunk, self.lengths.unsqueeze(1) + chunk.long().cumsum(-1) - 1, -1)
+
+    def append_history(self, compressed: torch.Tensor) -> torch.Tensor:
+        """Append the chunk's compressed ids; returns the last `max_ngram - 1` old columns followed by the chunk."""
+        keep = self.text_config.engram_max_ngram_size - 1
+        tail = self.history[:, max(0, self.history.shape[1] - keep):]
+        self.history = torch.cat([self.history, compressed], dim=1)
+        return torch.cat([tail, compressed], dim=1)
+
+    def commit(self, positions: torch.Tensor) -> None:
+        """Account the chunk: advance the column count and each row's real-token count."""
+        self.columns += positions.shape[1]
+        self.real = torch.cat([self.real, positions >= 0], dim=1)
+        self.lengths = self.lengths + (positions >= 0).sum(dim=1)
+
+    # -- window rings ---------------------------------------------------------------------------------------
+    def window_entries(self, layer_id: int, chunk_kv: torch.Tensor, positions: torch.Tensor, window: int
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each query's window entries [B,S,L,hd] (oldest first) and validity, from the ring and the chunk."""
+        ring = self.rings[layer_id]
+        start = self.lengths.unsqueeze(1).unsqueeze(2)  # first position of this chunk, per row
+        width = min(window, int(positions.amax()) + 1) if positions.numel() else 0
+        p = positions.unsqueeze(-1)
+        listed = (p - window + 1).clamp_min(0) + torch.arange(max(width, 0), device=positions.device)
+        valid = (listed <= p) & (p >= 0)
+        in_chunk = listed >= start
+        chunk_index = torch.arange(positions.shape[1], device=positions.device).view(1, -1, 1) - (p - listed)
+        chunk_index = torch.where(valid & in_chunk, chunk_index, 0)
+        ring_slot = torch.where(valid & ~in_chunk, listed % ring.size, 0)
+        from_chunk = _gather(chunk_kv, chunk_index)
+        from_ring = ring.rows.gather(ring_slot, chunk_kv.dtype)
+        entries = torch.where((valid & in_chunk).unsqueeze(-1), from_chunk, from_ring)
+        return entries, valid
+
+    def write_window(self, layer_id: int, chunk_kv: torch.Tensor, positions: torch.Tensor) -> None:
+        ring = self.rings[layer_id]
+        end = torch.where(positions >= 0, positions, -1).amax(dim=1, keepdim=True)
+        keep = (positions >= 0) & (positions > end - ring.size)
+        batch_ids = torch.arange(positions.shape[0], device=positions.device).unsqueeze(1).expand_as(positions)
+        slots = positions % ring.size
+        ring.rows.write(batch_ids[keep], slots[keep], chunk_kv[keep])
+        ring.positions[batch_ids[keep], slots[keep]] = positions[keep]
+
+    # -- pools ----------------------------------------------------------------------------------------------
+    def carry(self, source: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self.pools[source].carry
+
+    def pool_rows(self, source: int) -> int:
+        """Rows of the pool any batch row has completed, before this chunk."""
+        ratio = self.pools[source].ratio
+        return int((self.lengths // ratio).amax()) if self.lengths.numel() else 0
+
+    def write_pool(self, source: int, rows: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
+                   keys: tuple[torch.Tensor, torch.Tensor], carry, token_kv: torch.Tensor | None,
+                   token_score: torch.Tensor | None, positions: torch.Tensor) -> None:
+        """Store the chunk's completed rows (codes and scales of their QDQ), the new carry, and raw tokens."""
+        pool = self.pools[source]
+        done = rows >= 0
+        total = int(rows.amax()) + 1 if rows.numel() and bool(done.any()) else 0
+        pool.kv.ensure_capacity(total)
+        pool.keys.ensure_capacity(total)
+        batch_ids = torch.arange(rows.shape[0], device=rows.device).unsqueeze(1).expand_as(rows)
+        pool.kv.write_codes(batch_ids[done], rows[done], kv[0][done], kv[1][done])
+        pool.keys.write_codes(batch_ids[done], rows[done], keys[0][done], keys[1][done])
+        if pool.ratio > 1:
+            pool.carry = carry
+            live = positions >= 0
+            b = torch.arange(positions.shape[0], device=rows.device).unsqueeze(1).expand_as(positions)[live]
+            slot = positions[live] % pool.recent_size
+            pool.recent_kv[b, slot] = token_kv[live].to(pool.recent_kv.dtype)
+            pool.recent_score[b, slot] = token_score[live].to(pool.recent_score.dtype)
+
+    def pool_keys(self, source: int, rows: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.pools[source].keys.read(rows, dtype)
+
+    def gather_pool(self, source: int, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self.pools[source].kv.gather(rows, dtype)
+
+    # -- Cache API ------------------------------------------------------------------------------------------
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.columns
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        return self.columns + query_length, 0
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    @property
+    def is_croppable(self) -> bool:
+        return True
+
+    @property
+    def batch_size(self) -> int:
+        return -1 if self.lengths is None else int(self.lengths.shape[0])
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last `-tokens_to_remove` columns (transformers' convention: a negative count; 0 is a no-op).
+
+        Windows, carries, pools and histories return exactly to their earlier state within `crop_horizon`."""
+        if tokens_to_remove > 0:
+            raise ValueError("DeepseekV41Cache.crop takes a negative number of tokens to remove (or 0).")
+        count = -tokens_to_remove
+        if count == 0 or not self.is_initialized:
+            return
+        if count > self.crop_horizon:
+            raise ValueError(
+                f"Cannot crop {count} tokens: this cache keeps {self.crop_horizon} tokens of history to roll back "
+                "exactly (crop_horizon). Create it with a larger crop_horizon."
+            )
+        if count > self.columns:
+            raise ValueError(f"Cannot crop {count} tokens from a cache holding {self.columns}.")
+        self.lengths = self.lengths - self.real[:, -count:].sum(dim=1)
+        self.columns -= count
+        self.history = self.history[:, : self.columns]
+        self.real = self.real[:, : self.columns]
+        for ring in self.rings.values():
+            ring.positions = torch.where(ring.positions >= self.lengths.unsqueeze(1), -1, ring.positions)
+        for pool in self.pools.values():
+            if pool.ratio > 1:
+                pool.carry = self._carry_at(pool, self.lengths)
+
+    @staticmethod
+    def _carry_at(pool: _Pool, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The carry after `lengths` tokens: slots of the open group's tokens, from the raw recent tokens."""
+        r = pool.ratio
+        group_start = (lengths // r) * r
+        slots = torch.arange(r, device=lengths.device)
+        token_pos = group_start.unsqueeze(1) + slots
+        present = token_pos < lengths.unsqueeze(1)
+        index = (token_pos % pool.recent_size).unsqueeze(-1).expand(-1, -1, pool.recent_kv.shape[-1])
+        kv = torch.where(present.unsqueeze(-1), pool.recent_kv.gather(1, index), 0)
+        score = torch.where(present.unsqueeze(-1), pool.recent_score.gather(1, index), -torch.inf)
+        return kv, score
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if not self.is_initialized:
+            return
+        indices = indices.to(self.lengths.device)
+        self.lengths = self.lengths.index_select(0, indices)
+        self.history = self.history.index_select(0, indices)
+        self.real = self.real.index_select(0, indices)
+        for ring in self.rings.values():
+            ring.rows.select_batch(indices)
+            ring.positions = ring.positions.index_select(0, indices)
+        for pool in self.pools.values():
+            pool.kv.select_batch(indices)
+            pool.keys.select_batch(indices)
+            if pool.ratio > 1:
+                pool.recent_kv = pool.recent_kv.index_select(0, indices)
+                pool.recent_score = pool.recent_score.index_select(0, indices)
+                if pool.carry is not None:
+                    pool.carry = tuple(t.index_select(0, indices) for t in pool.carry)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.batch_select_indices(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self.batch_select_indices(torch.arange(self.lengths.shape[0]).repeat_interleave(repeats))
+
+    # -- inspection -----------------------------------------------------------------------------------------
+    def nbytes_by_component(self) -> dict[str, int]:
+        """Bytes in use: the compressed pools and index keys (global KV), the window rings (as allocated), the
+        carries and recent raw tokens kept for cropping, and the Engram history."""
+        if not self.is_initialized:
+            return {"global_kv": 0, "window": 0, "carry": 0, "engram_history": 0}
+        batch = self.lengths.shape[0]
+        global_kv = 0
+        carry = 0
+        for pool in self.pools.values():
+            rows = int((self.lengths // pool.ratio).sum())
+            global_kv += rows * (pool.kv.bytes_per_row + pool.keys.bytes_per_row)
+            if pool.ratio > 1:
+                carry += pool.recent_kv.nbytes + pool.recent_score.nbytes
+                carry += sum(t.nbytes for t in pool.carry) if pool.carry is not None else 0
+        window = sum(ring.rows.nbytes for ring in self.rings.values())
+        return {"global_kv": global_kv, "window": window, "carry": carry,
+                "engram_history": self.history.nbytes if batch else 0}
+
+    def global_bytes_per_token(self) -> float:
+        """Global (compressed) KV bytes per token of a row, averaged over rows."""
+        tokens = int(self.lengths.sum()) if self.is_initialized else 0
+        return self.nbytes_by_component()["global_kv"] / max(tokens, 1)
+
+    def __repr__(self) -> str:
+        return (f"DeepseekV41Cache(columns={self.columns}, pools={sorted(self.pools)}, "
+                f"rings={len(self.rings)}, bytes={self.nbytes_by_component()})")
+
+
+def _gather(source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    batch, s, k = index.shape
+    flat = index.reshape(batch, s * k, 1).expand(-1, -1, source.shape[-1])
+    return source.gather(1, flat).view(batch, s, k, source.shape[-1])
