@@ -86,7 +86,8 @@ class DeepseekV41Attention(nn.Module):
         total = max(cache.pool_rows(source), int(out.rows.amax()) + 1 if out.rows.numel() else 0)
         cache.write_pool(source, out.rows, (codes, scales), key_codes, out.carry, out.token_kv, out.token_score,
                          positions)
-        share.index_keys[source] = cache.pool_keys(source, total, x.dtype)
+        # unpacked on first use by an indexer: scanning the compressed history is the indexers' job
+        share.index_keys[source] = lambda: cache.pool_keys(source, total, x.dtype)
 
     def _window(self, kv: torch.Tensor, positions: torch.Tensor, share) -> tuple[torch.Tensor, torch.Tensor]:
         """Each query's window entries [B,S,L,hd] and validity; with a cache, read the ring then write the chunk."""

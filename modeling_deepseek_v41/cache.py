@@ -37,6 +37,27 @@ class _Pool:
         return out
 
 
+class _Columns:
+    """A [B, columns] record that grows by doubling its capacity (no per-step copy of the whole history)."""
+
+    def __init__(self, batch: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.buffer = torch.zeros(batch, 16, dtype=dtype, device=device)
+
+    def write(self, start: int, values: torch.Tensor) -> None:
+        end = start + values.shape[1]
+        if end > self.buffer.shape[1]:
+            grown = self.buffer.new_zeros(self.buffer.shape[0], max(end, 2 * self.buffer.shape[1]))
+            grown[:, : self.buffer.shape[1]] = self.buffer
+            self.buffer = grown
+        self.buffer[:, start:end] = values
+
+    def view(self, start: int, end: int) -> torch.Tensor:
+        return self.buffer[:, start:end]
+
+    def select(self, index: torch.Tensor) -> None:
+        self.buffer = self.buffer.index_select(0, index)
+
+
 class _Ring:
     """A layer's window KV: FP8 rows in `size` slots indexed by position modulo size, with each slot's position."""
 
@@ -81,9 +102,14 @@ class DeepseekV41Cache(Cache):
         self.lengths: torch.Tensor | None = None  # [B] real tokens per row
         self.pools: dict[int, _Pool] = {}
         self.rings: dict[int, _Ring] = {}
-        self.history: torch.Tensor | None = None  # [B, columns] compressed ids (DEAD for images and padding)
-        self.real: torch.Tensor | None = None  # [B, columns] True where a column is a real token (not padding)
+        self._history: _Columns | None = None  # compressed ids per column (DEAD for images and padding)
+        self._real: _Columns | None = None  # True where a column is a real token (not padding)
         self.compute_dtype: torch.dtype | None = None
+
+    @property
+    def history(self) -> torch.Tensor:
+        """[B, columns] compressed token ids of everything cached (DEAD at images and padding)."""
+        return self._history.view(0, self.columns)
 
     @property
     def is_initialized(self) -> bool:
@@ -99,8 +125,8 @@ class DeepseekV41Cache(Cache):
     def _allocate(self, batch: int, device: torch.device, compute_dtype: torch.dtype) -> None:
         text = self.text_config
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
-        self.history = torch.zeros(batch, 0, dtype=torch.long, device=device)
-        self.real = torch.zeros(batch, 0, dtype=torch.bool, device=device)
+        self._history = _Columns(batch, torch.long, device)
+        self._real = _Columns(batch, torch.bool, device)
         self.compute_dtype = compute_dtype
         ring_size = text.sliding_window + self.crop_horizon
         for spec in self.plan.layers + self.plan.dspark_layers:
@@ -130,14 +156,13 @@ class DeepseekV41Cache(Cache):
     def append_history(self, compressed: torch.Tensor) -> torch.Tensor:
         """Append the chunk's compressed ids; returns the last `max_ngram - 1` old columns followed by the chunk."""
         keep = self.text_config.engram_max_ngram_size - 1
-        tail = self.history[:, max(0, self.history.shape[1] - keep):]
-        self.history = torch.cat([self.history, compressed], dim=1)
-        return torch.cat([tail, compressed], dim=1)
+        self._history.write(self.columns, compressed)
+        return self._history.view(max(0, self.columns - keep), self.columns + compressed.shape[1])
 
     def commit(self, positions: torch.Tensor) -> None:
         """Account the chunk: advance the column count and each row's real-token count."""
+        self._real.write(self.columns, positions >= 0)
         self.columns += positions.shape[1]
-        self.real = torch.cat([self.real, positions >= 0], dim=1)
         self.lengths = self.lengths + (positions >= 0).sum(dim=1)
 
     # -- window rings ---------------------------------------------------------------------------------------
@@ -241,10 +266,8 @@ class DeepseekV41Cache(Cache):
             )
         if count > self.columns:
             raise ValueError(f"Cannot crop {count} tokens from a cache holding {self.columns}.")
-        self.lengths = self.lengths - self.real[:, -count:].sum(dim=1)
+        self.lengths = self.lengths - self._real.view(self.columns - count, self.columns).sum(dim=1)
         self.columns -= count
-        self.history = self.history[:, : self.columns]
-        self.real = self.real[:, : self.columns]
         for ring in self.rings.values():
             ring.positions = torch.where(ring.positions >= self.lengths.unsqueeze(1), -1, ring.positions)
         for pool in self.pools.values():
@@ -269,8 +292,8 @@ class DeepseekV41Cache(Cache):
             return
         indices = indices.to(self.lengths.device)
         self.lengths = self.lengths.index_select(0, indices)
-        self.history = self.history.index_select(0, indices)
-        self.real = self.real.index_select(0, indices)
+        self._history.select(indices)
+        self._real.select(indices)
         for ring in self.rings.values():
             ring.rows.select_batch(indices)
             ring.positions = ring.positions.index_select(0, indices)
@@ -307,7 +330,7 @@ class DeepseekV41Cache(Cache):
                 carry += sum(t.nbytes for t in pool.carry) if pool.carry is not None else 0
         window = sum(ring.rows.nbytes for ring in self.rings.values())
         return {"global_kv": global_kv, "window": window, "carry": carry,
-                "engram_history": self.history.nbytes if batch else 0}
+                "engram_history": self.columns * batch * (self._history.buffer.element_size() + 1)}
 
     def global_bytes_per_token(self) -> float:
         """Global (compressed) KV bytes per token of a row, averaged over rows."""

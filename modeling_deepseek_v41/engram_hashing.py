@@ -40,6 +40,31 @@ def is_prime(n: int) -> bool:
     return True
 
 
+def engram_primes(config) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """Per Engram layer, per n-gram size, one bucket prime per head: searching up from engram_vocab_size - 1
+    again for every n-gram size, never reusing a prime across heads, sizes or layers."""
+    seen: set[int] = set()
+    primes = []
+    for _ in config.engram_layer_ids:
+        per_ngram = []
+        for _ in range(config.engram_max_ngram_size - 1):
+            heads, candidate = [], config.engram_vocab_size - 1
+            for _ in range(config.engram_n_heads):
+                candidate += 1
+                while candidate in seen or not is_prime(candidate):
+                    candidate += 1
+                seen.add(candidate)
+                heads.append(candidate)
+            per_ngram.append(tuple(heads))
+        primes.append(tuple(per_ngram))
+    return tuple(primes)
+
+
+def engram_table_rows(config) -> list[int]:
+    """The table size each Engram layer needs: the sum of its bucket primes."""
+    return [sum(sum(p) for p in layer) for layer in engram_primes(config)]
+
+
 @dataclass(frozen=True)
 class EngramHashLayout:
     """Primes [layer][n-gram][head], bucket offsets and hash multipliers of every Engram layer."""
@@ -51,20 +76,7 @@ class EngramHashLayout:
 
     @classmethod
     def from_config(cls, config) -> "EngramHashLayout":
-        seen: set[int] = set()
-        primes = []
-        for _ in config.engram_layer_ids:
-            per_ngram = []
-            for _ in range(config.engram_max_ngram_size - 1):
-                heads, candidate = [], config.engram_vocab_size - 1
-                for _ in range(config.engram_n_heads):
-                    candidate += 1
-                    while candidate in seen or not is_prime(candidate):
-                        candidate += 1
-                    seen.add(candidate)
-                    heads.append(candidate)
-                per_ngram.append(tuple(heads))
-            primes.append(tuple(per_ngram))
+        primes = engram_primes(config)
         for layer, rows, layer_primes in zip(config.engram_layer_ids, config.engram_num_embeddings, primes):
             needed = sum(sum(p) for p in layer_primes)
             if rows != needed:

@@ -49,6 +49,8 @@ class DeepseekV41Indexer(nn.Module):
                 visible: torch.Tensor, share) -> torch.Tensor:
         """x [B,S,D] normed input; qr [B,S,q_lora]; keys [B,N,index_head_dim]; visible [B,S] rows each query may
         see. Returns selected pool rows [B,S,k] ascending, -1 where nothing visible is left to select."""
+        if callable(keys):  # a cache's packed keys, unpacked once per forward and shared by the pool's indexers
+            keys = share.index_keys[self.spec.pool_source] = keys()
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
         q = fp4_qdq(apply_rope_tail(q, rotation, self.rope_dim), INDEX_FP4_BLOCK, "e8m0")
         weights = self.weights_proj(x) * (self.head_dim**-0.5 * self.n_heads**-0.5)

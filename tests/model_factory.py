@@ -18,6 +18,33 @@ def tiny_config(vision: bool = False, **text_overrides) -> DeepseekV41Config:
     return DeepseekV41Config(**raw)
 
 
+def schedule_config(text: dict, vision: bool = False) -> DeepseekV41Config:
+    """A bf16-mode config from the tiny-text fixture's sizes with another schedule; Engram table sizes derived."""
+    from types import SimpleNamespace
+
+    from modeling_deepseek_v41.engram_hashing import engram_table_rows
+
+    raw = json.loads((FIXTURES / "tiny-text" / "checkpoint" / "config.json").read_text())
+    raw.pop("quantization_config")
+    raw["text_config"].update(text)
+    raw["text_config"]["engram_num_embeddings"] = engram_table_rows(SimpleNamespace(**raw["text_config"]))
+    return DeepseekV41Config(**raw)
+
+
+# other schedules than the fixtures': candidates in a ratio-1 pool after two ratio-2 layers, and no candidates
+OTHER_SCHEDULES = {
+    "ratio2-then-ratio1-candidates": dict(
+        num_hidden_layers=6, compress_ratios=[2, 2, 0, 1, 1, 1, 0], kv_source_layer_ids=[0, 3],
+        index_source_layer_ids=[0, 3, 5], candidate_source_layer_id=3, candidate_topk_blocks=2,
+        candidate_block_size=4, index_topk=4, sliding_window=8, engram_layer_ids=[0, 4],
+        dspark_target_layer_ids=[3, 4, 5], num_nextn_predict_layers=1),
+    "ratio2-only-no-candidates": dict(
+        num_hidden_layers=4, compress_ratios=[2, 2, 2, 2], kv_source_layer_ids=[0, 2], index_source_layer_ids=[0, 2],
+        candidate_source_layer_id=None, index_topk=16, sliding_window=4, engram_layer_ids=[3],
+        dspark_target_layer_ids=[], num_nextn_predict_layers=0),
+}
+
+
 def random_model(config: DeepseekV41Config | None = None, dtype: torch.dtype = torch.float64, seed: int = 0,
                  hc_scale: float = 1.0) -> DeepseekV41ForCausalLM:
     """Random weights with enough spread that attention, routing and mixing all matter."""
