@@ -1,0 +1,1 @@
+"""Command-line converters between checkpoint layouts and the random test-checkpoint maker."""
