@@ -73,6 +73,7 @@ class DeepseekV41Cache(Cache):
     - per KV source (a "Full" layer): the compressed KV rows (E2M1 + E4M3 scale per 16: 288 bytes per 512-wide
       row), the index keys (E2M1 + E8M0 per 32: 68 bytes per 128-wide row), and for ratio r > 1 the fp32 carry of
       the incomplete group;
+    - with `dspark=True`, each drafter stage's window ring, fed from the backbone taps of every processed position;
     - per layer (backbone and DSpark blocks): an FP8 window ring (e4m3 + E8M0 per 32: 528 bytes per slot) of
       `sliding_window + crop_horizon` slots, so the cache can be cropped back that far exactly;
     - the Engram compressed-token history.
@@ -81,8 +82,9 @@ class DeepseekV41Cache(Cache):
     included, as `generate()` expects. Create it directly or let `generate()` do it.
     """
 
-    def __init__(self, config, crop_horizon: int = DEFAULT_CROP_HORIZON) -> None:
+    def __init__(self, config, crop_horizon: int = DEFAULT_CROP_HORIZON, dspark: bool = False) -> None:
         super().__init__(layers=[])
+        self.dspark = dspark  # feed the DSpark drafter's rings from every processed position
         self.text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.plan = LayerPlan.from_config(self.text_config)
         self.crop_horizon = crop_horizon
@@ -128,12 +130,14 @@ class DeepseekV41Cache(Cache):
         self._history = _Columns(batch, torch.long, device)
         self._real = _Columns(batch, torch.bool, device)
         self.compute_dtype = compute_dtype
+        # the compressor's projections are fp32 (float64 for a float64 model): keep them in that precision
+        projection_dtype = torch.float64 if compute_dtype == torch.float64 else torch.float32
         ring_size = text.sliding_window + self.crop_horizon
-        for spec in self.plan.layers + self.plan.dspark_layers:
+        for spec in self.plan.layers + (self.plan.dspark_layers if self.dspark else ()):
             self.rings[spec.layer_id] = _Ring(ring_size, text.head_dim, batch, device)
             if spec.owns_pool:
                 self.pools[spec.layer_id] = _Pool(spec.ratio, text.head_dim, text.index_head_dim, batch,
-                                                  self.crop_horizon, device, compute_dtype)
+                                                  self.crop_horizon, device, projection_dtype)
 
     # -- per-forward bookkeeping ------------------------------------------------------------------------------
     def chunk_positions(self, batch: int, seq: int, attention_mask: torch.Tensor | None, device: torch.device,
@@ -192,6 +196,18 @@ class DeepseekV41Cache(Cache):
         slots = positions % ring.size
         ring.rows.write(batch_ids[keep], slots[keep], chunk_kv[keep])
         ring.positions[batch_ids[keep], slots[keep]] = positions[keep]
+
+    def drafter_window(self, layer_id: int, last: torch.Tensor, window: int, dtype: torch.dtype
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A drafter stage's window: the last `window` backbone positions up to `last` [B], listed by ring slot
+        (position modulo window) as the reference lists them. Returns values [B,L,hd] and validity [B,L]."""
+        ring = self.rings[layer_id]
+        width = min(window, int(last.amax()) + 1)
+        slots = torch.arange(width, device=last.device)
+        listed = last.unsqueeze(1) - (last.unsqueeze(1) - slots) % window
+        valid = (slots <= last.unsqueeze(1)) & (listed >= 0)
+        values = ring.rows.gather(torch.where(valid, listed % ring.size, 0), dtype)
+        return values, valid
 
     # -- pools ----------------------------------------------------------------------------------------------
     def carry(self, source: int) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -12,6 +12,7 @@ import torch
 from torch.nn import functional as F
 
 from .numerics import compute_dtype
+from .row_invariant import row_invariant_linear
 
 
 class HyperMix(NamedTuple):
@@ -26,7 +27,7 @@ def hc_mixes(streams: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base:
     hc, eps = hc_mult, hc_eps
     x = streams.flatten(2).to(compute_dtype(streams))
     # one RMS statistic per token over all streams, applied after the projection
-    mixes = F.linear(x, fn.to(x.dtype)) * torch.rsqrt(x.square().mean(-1, keepdim=True) + norm_eps)
+    mixes = row_invariant_linear(x, fn.to(x.dtype)) * torch.rsqrt(x.square().mean(-1, keepdim=True) + norm_eps)
     scale, base = scale.to(x.dtype), base.to(x.dtype)
     pre = torch.sigmoid(mixes[..., :hc] * scale[0] + base[:hc]) + eps
     post = 2 * torch.sigmoid(mixes[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])

@@ -16,6 +16,8 @@ from .block import DeepseekV41BackboneBlock, DeepseekV41Block
 from .checkpoint_layout import validate_checkpoint_folder
 from .configuration_deepseek_v41 import DeepseekV41Config
 from .dspark import DeepseekV41DSparkBlock
+from .dspark_drafting import feed_dspark_rings
+from .dspark_generation import DSparkCandidateGenerator, dspark_generation_config
 from .engram import DeepseekV41Engram, DeepseekV41EngramTable
 from .engram_hashing import DEAD, EngramHashLayout, engram_hash_ids, ngram_window
 from .forward_share import ForwardShare
@@ -205,14 +207,40 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
         return self.head
 
     # -- generation ------------------------------------------------------------------------------------------
+    @property
+    def has_dspark(self) -> bool:
+        """Whether the DSpark drafter's weights (`mtp.*`) are part of this model."""
+        return len(self.mtp) > 0
+
+    def generate(self, *args, use_dspark: bool | None = None, dspark_confidence_threshold: float | None = None,
+                 **kwargs):
+        """transformers' generate(), plus `use_dspark=True` for speculative decoding with the DSpark drafter
+        (also settable as `use_dspark` in the generation config) and `dspark_confidence_threshold`."""
+        kwargs["generation_config"] = dspark_generation_config(
+            self, kwargs.get("generation_config"), use_dspark, dspark_confidence_threshold)
+        return super().generate(*args, **kwargs)
+
+    def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor,
+                                 model_kwargs, *args, **kwargs):
+        if getattr(generation_config, "use_dspark", False):
+            return DSparkCandidateGenerator(self, generation_config, logits_processor)
+        return super()._get_candidate_generator(generation_config, input_ids, inputs_tensor, logits_processor,
+                                                model_kwargs, *args, **kwargs)
+
     def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs) -> None:
         """generate() gets a DeepseekV41Cache (the dynamic caches of transformers cannot hold CSA2 pools)."""
+        dspark = bool(getattr(generation_config, "use_dspark", False))
         if model_kwargs.get("cache") is not None:
-            model_kwargs["cache"]._is_user_defined = True
+            cache = model_kwargs["cache"]
+            cache._is_user_defined = True
+            if dspark and not cache.dspark:
+                raise ValueError("use_dspark needs a cache created with DeepseekV41Cache(config, dspark=True).")
             return
         if generation_config.use_cache is False:
+            if dspark:
+                raise ValueError("use_dspark needs the cache: do not combine it with use_cache=False.")
             return
-        model_kwargs["cache"] = DeepseekV41Cache(self.config)
+        model_kwargs["cache"] = DeepseekV41Cache(self.config, dspark=dspark)
 
     def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, *args, **kwargs) -> dict:
         """Images and their token types belong to the prefill only; later steps feed text tokens."""
@@ -380,6 +408,10 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
         run = self.run_backbone(hidden, context, output_hidden_states=bool(output_hidden_states))
         streams, pre_mix = run.streams, run.pre_mix
         all_streams, router_logits, router_experts, taps = run.all_streams, run.router_logits, run.experts, run.taps
+        if cache is not None and cache.dspark and taps:
+            spec = self.mtp[0].spec
+            rotation = context.rotations[(spec.rope_theta, spec.use_yarn)][0]
+            feed_dspark_rings(self, torch.cat(taps, dim=-1), context.positions, rotation, cache)
         if cache is not None:
             cache.commit(context.positions)
         final = hc_collapse(streams, pre_mix)

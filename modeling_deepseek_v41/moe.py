@@ -8,6 +8,7 @@ from torch.nn import functional as F
 
 from .numerics import compute_dtype
 from .quantized_linear import DeepseekV41Linear
+from .row_invariant import row_invariant_linear
 from .sparse_attention import stable_topk_indices
 
 
@@ -32,7 +33,7 @@ class DeepseekV41Gate(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, D]; image_mask [T] or None. Returns (weights [T,k], experts [T,k], router logits [T,E])."""
         acc = compute_dtype(x)
-        logits = F.linear(x.to(acc), self.weight.to(acc))
+        logits = row_invariant_linear(x.to(acc), self.weight.to(acc))
         if self.scoring_func == "softmax":
             scores = logits.softmax(dim=-1)
         elif self.scoring_func == "sigmoid":

@@ -7,6 +7,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .numerics import WEIGHT_BLOCK, dequantize_fp4_weight, dequantize_fp8_weight, fp8_act_qdq
+from .row_invariant import row_invariant_linear
 
 STORAGE_FP8 = "fp8"
 STORAGE_FP4 = "fp4"
@@ -60,9 +61,9 @@ class DeepseekV41Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.is_quantized:
-            return F.linear(x.to(self.weight.dtype), self.weight)
+            return row_invariant_linear(x.to(self.weight.dtype), self.weight)
         x = fp8_act_qdq(x)
-        return F.linear(x.float(), self.dense_weight(torch.float32)).to(x.dtype)
+        return row_invariant_linear(x.float(), self.dense_weight(torch.float32)).to(x.dtype)
 
     @torch.no_grad()
     def dequantize_(self, dtype: torch.dtype = torch.bfloat16) -> None:
