@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from modeling_deepseek_v41.engram_hashing import is_prime
+from types import SimpleNamespace
+
+from modeling_deepseek_v41.engram_hashing import engram_table_rows as model_engram_table_rows
 
 # the tiny-text reference fixture's shape: 8 layers [0,2,2,2,1,1,1,1] + 2 DSpark blocks, D 128
 TINY_TEXT = {
@@ -44,19 +46,7 @@ PRESETS = {"tiny": (TINY_TEXT, TINY_VISION), "small": (SMALL_TEXT, SMALL_VISION)
 
 
 def engram_table_rows(layer_ids: list[int], max_ngram_size: int, engram_vocab_size: int, n_heads: int) -> list[int]:
-    """Rows of each Engram layer's table: the sum of its primes, chosen by the model's rule (for each layer,
-    n-gram size and head, the next prime at or above engram_vocab_size that no earlier range took)."""
-    seen: set[int] = set()
-    rows = []
-    for _ in layer_ids:
-        total = 0
-        for _ in range(max_ngram_size - 1):
-            candidate = engram_vocab_size - 1
-            for _ in range(n_heads):
-                candidate += 1
-                while candidate in seen or not is_prime(candidate):
-                    candidate += 1
-                seen.add(candidate)
-                total += candidate
-        rows.append(total)
-    return rows
+    """Rows of each Engram layer's table: the sum of its bucket primes, by the model's own rule."""
+    settings = SimpleNamespace(engram_layer_ids=layer_ids, engram_max_ngram_size=max_ngram_size,
+                               engram_vocab_size=engram_vocab_size, engram_n_heads=n_heads)
+    return model_engram_table_rows(settings)

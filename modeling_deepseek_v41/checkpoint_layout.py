@@ -135,3 +135,11 @@ def validate_checkpoint_folder(folder: str | os.PathLike, config, hub_layout: bo
     if problems:
         raise ValueError(f"The checkpoint in {folder} does not match its config:\n- " + "\n- ".join(problems))
     return dict(Counter(pattern_of(n) for n in found))
+
+
+def checkpoint_has_prefix(folder: str | os.PathLike, prefix: str) -> bool:
+    """Whether any tensor of a local checkpoint folder starts with `prefix` (from the index or the headers)."""
+    index = Path(folder) / "model.safetensors.index.json"
+    if index.exists():
+        return any(name.startswith(prefix) for name in json.loads(index.read_text())["weight_map"])
+    return any(name.startswith(prefix) for path in checkpoint_files(folder) for name in read_safetensors_header(path))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from transformers import PreTrainedConfig
@@ -272,3 +273,12 @@ class DeepseekV41Config(PreTrainedConfig):
     @property
     def vision_enabled(self) -> bool:
         return self.vision_config is not None and self.vision_config.num_hidden_layers > 0
+
+
+def config_without_dspark(config: DeepseekV41Config) -> DeepseekV41Config:
+    """A copy of `config` for a model without the DSpark drafter (no `mtp.*` blocks)."""
+    trimmed = copy.deepcopy(config)
+    text = trimmed.text_config
+    text.compress_ratios = list(text.compress_ratios[: text.num_hidden_layers])
+    text.num_nextn_predict_layers = 0
+    return trimmed

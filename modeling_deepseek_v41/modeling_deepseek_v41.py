@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -10,11 +11,12 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+from transformers.utils import logging
 
 from .cache import DeepseekV41Cache
 from .block import DeepseekV41BackboneBlock, DeepseekV41Block
-from .checkpoint_layout import validate_checkpoint_folder
-from .configuration_deepseek_v41 import DeepseekV41Config
+from .checkpoint_layout import checkpoint_has_prefix, validate_checkpoint_folder
+from .configuration_deepseek_v41 import DeepseekV41Config, config_without_dspark
 from .dspark import DeepseekV41DSparkBlock
 from .dspark_drafting import feed_dspark_rings
 from .dspark_generation import DSparkCandidateGenerator, dspark_generation_config
@@ -29,6 +31,9 @@ from .numerics import quantize_fp4_weight, quantize_fp8_weight
 from .quantized_linear import STORAGE_FP4, STORAGE_FP8, DeepseekV41Linear
 from .rope import rope_angles, rope_inv_freq
 from .vision import DeepseekV41VisionAligner, DeepseekV41VisionTower, embed_images, merge_image_embeddings
+
+
+logger = logging.get_logger(__name__)
 
 
 @dataclass
@@ -172,6 +177,12 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
             config = kwargs.get("config")
             if not isinstance(config, DeepseekV41Config):
                 config = cls.config_class.from_pretrained(pretrained_model_name_or_path)
+            if config.text_config.num_nextn_predict_layers and not checkpoint_has_prefix(
+                    pretrained_model_name_or_path, "mtp."):
+                # a checkpoint shipped without the drafter loads without it, rather than with random draft weights
+                logger.warning("The checkpoint has no DSpark drafter weights (mtp.*): loading without the drafter.")
+                config = config_without_dspark(config)
+                kwargs["config"] = config
             validate_checkpoint_folder(pretrained_model_name_or_path, config)
         loaded = super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
         model = loaded[0] if isinstance(loaded, tuple) else loaded
@@ -212,18 +223,44 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
         """Whether the DSpark drafter's weights (`mtp.*`) are part of this model."""
         return len(self.mtp) > 0
 
-    def generate(self, *args, use_dspark: bool | None = None, dspark_confidence_threshold: float | None = None,
-                 **kwargs):
-        """transformers' generate(), plus `use_dspark=True` for speculative decoding with the DSpark drafter
-        (also settable as `use_dspark` in the generation config) and `dspark_confidence_threshold`."""
-        kwargs["generation_config"] = dspark_generation_config(
-            self, kwargs.get("generation_config"), use_dspark, dspark_confidence_threshold)
-        return super().generate(*args, **kwargs)
+    def generate(self, *args, **kwargs):
+        """transformers' generate(), plus DSpark speculative decoding: `use_dspark=True` (a generation-config
+        field, also settable in generation_config.json) and `dspark_confidence_threshold`. Afterwards
+        `model.last_generation_stats` holds the run's measured speed, cache size and draft acceptance."""
+        use_dspark = kwargs.pop("use_dspark", None)
+        threshold = kwargs.pop("dspark_confidence_threshold", None)
+        base = kwargs.pop("generation_config", None)
+        if use_dspark is not None or threshold is not None or getattr(base or self.generation_config, "use_dspark",
+                                                                          False):
+            config = dspark_generation_config(self, base, use_dspark, threshold)
+            kwargs = config.update(**kwargs)  # generation settings go into the copy, the rest stay model inputs
+            kwargs["generation_config"] = config
+        elif base is not None:
+            kwargs["generation_config"] = base
+        self._generation_cache, self._dspark_generator = None, None
+        start = time.perf_counter()
+        try:
+            output = super().generate(*args, **kwargs)
+        finally:
+            elapsed = time.perf_counter() - start
+            cache, generator = self._generation_cache, self._dspark_generator
+            self._generation_cache, self._dspark_generator = None, None
+        sequences = output if isinstance(output, torch.Tensor) else output.sequences
+        prompt = args[0] if args else kwargs.get("input_ids")
+        new_tokens = sequences.numel() - (prompt.numel() if isinstance(prompt, torch.Tensor) else 0)
+        self.last_generation_stats = {
+            "new_tokens": int(new_tokens), "seconds": elapsed, "tokens_per_second": new_tokens / max(elapsed, 1e-9),
+            "cache_global_bytes_per_token": cache.global_bytes_per_token() if cache is not None else None,
+            "dspark_mean_accepted_length": generator.mean_accepted_length if generator is not None else None,
+            "dspark_rounds": generator.rounds if generator is not None else None,
+        }
+        return output
 
     def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor,
                                  model_kwargs, *args, **kwargs):
         if getattr(generation_config, "use_dspark", False):
-            return DSparkCandidateGenerator(self, generation_config, logits_processor)
+            self._dspark_generator = DSparkCandidateGenerator(self, generation_config, logits_processor)
+            return self._dspark_generator
         return super()._get_candidate_generator(generation_config, input_ids, inputs_tensor, logits_processor,
                                                 model_kwargs, *args, **kwargs)
 
@@ -231,7 +268,7 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
         """generate() gets a DeepseekV41Cache (the dynamic caches of transformers cannot hold CSA2 pools)."""
         dspark = bool(getattr(generation_config, "use_dspark", False))
         if model_kwargs.get("cache") is not None:
-            cache = model_kwargs["cache"]
+            cache = self._generation_cache = model_kwargs["cache"]
             cache._is_user_defined = True
             if dspark and not cache.dspark:
                 raise ValueError("use_dspark needs a cache created with DeepseekV41Cache(config, dspark=True).")
@@ -240,7 +277,7 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
             if dspark:
                 raise ValueError("use_dspark needs the cache: do not combine it with use_cache=False.")
             return
-        model_kwargs["cache"] = DeepseekV41Cache(self.config, dspark=dspark)
+        model_kwargs["cache"] = self._generation_cache = DeepseekV41Cache(self.config, dspark=dspark)
 
     def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, *args, **kwargs) -> dict:
         """Images and their token types belong to the prefill only; later steps feed text tokens."""
