@@ -9,7 +9,7 @@ from .compressor import DeepseekV41Compressor
 from .indexer import DeepseekV41Indexer
 from .layer_plan import LayerSpec
 from .norms import DeepseekV41RMSNorm
-from .numerics import fp4_dequantize_rows, fp4_quantize_rows, fp8_act_qdq
+from .numerics import fp4_dequantize_rows, fp4_quantize_rows, fp8_act_qdq, straight_through
 from .quantized_linear import DeepseekV41Linear
 from .rope import apply_rope_tail, rope_angles
 from .sparse_attention import sparse_attention
@@ -81,7 +81,7 @@ class DeepseekV41Attention(nn.Module):
         codes, scales = fp4_quantize_rows(rotated, POOL_FP4_BLOCK, "e4m3")
         if cache is None:
             share.index_keys[source] = keys
-            share.pool_kv[source] = fp4_dequantize_rows(codes, scales, rotated.dtype)
+            share.pool_kv[source] = straight_through(rotated, fp4_dequantize_rows(codes, scales, rotated.dtype))
             return
         total = max(cache.pool_rows(source), int(out.rows.amax()) + 1 if out.rows.numel() else 0)
         cache.write_pool(source, out.rows, (codes, scales), key_codes, out.carry, out.token_kv, out.token_score,

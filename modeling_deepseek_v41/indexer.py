@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from .norms import DeepseekV41RMSNorm
-from .numerics import fp4_dequantize_rows, fp4_qdq, fp4_quantize_rows
+from .numerics import fp4_dequantize_rows, fp4_qdq, fp4_quantize_rows, straight_through
 from .quantized_linear import DeepseekV41Linear
 from .rope import apply_rope_tail
 from .sparse_attention import candidate_mask, candidate_positions, select_candidate_blocks, stable_topk_indices
@@ -43,7 +43,7 @@ class DeepseekV41Indexer(nn.Module):
         values and their (codes, scales)."""
         k = apply_rope_tail(self.k_norm(self.wk(latents)), rotation, self.rope_dim)
         codes, scales = fp4_quantize_rows(k, INDEX_FP4_BLOCK, "e8m0")
-        return fp4_dequantize_rows(codes, scales, k.dtype), (codes, scales)
+        return straight_through(k, fp4_dequantize_rows(codes, scales, k.dtype)), (codes, scales)
 
     def forward(self, x: torch.Tensor, qr: torch.Tensor, rotation: torch.Tensor, keys: torch.Tensor,
                 visible: torch.Tensor, share) -> torch.Tensor:

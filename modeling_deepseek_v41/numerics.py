@@ -1,5 +1,8 @@
 """FP8 / FP4 formats: quantize, dequantize, pack, unpack and fake-quantize (QDQ).
 
+Fake-quantization passes gradients straight through (the identity's gradient), so training goes through the
+same QDQ steps as inference.
+
 The only module that knows the bit formats. Conventions follow the official reference:
 - FP8 values are e4m3 (round to nearest even, saturating at +-448); scales are E8M0 powers of two or E4M3.
 - FP4 values are e2m1 (magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6), two codes per byte, even element in the low nibble.
@@ -21,6 +24,16 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
+def straight_through(x: torch.Tensor, quantized: torch.Tensor) -> torch.Tensor:
+    """The quantized value forward, the identity's gradient backward (a straight-through estimator).
+
+    `quantized + (x - x.detach())` adds an exact zero, so the forward value is bit-identical to `quantized`.
+    """
+    if not x.requires_grad:
+        return quantized
+    return quantized + (x - x.detach()).to(quantized.dtype)
+
+
 def _pow2_ceil_scale(amax: torch.Tensor, max_value: float) -> torch.Tensor:
     """2^ceil(log2(amax / max_value)) from the IEEE bits of the fp32 product amax * fp32(1/max_value)."""
     product = (amax.float() * torch.tensor(1.0 / max_value, dtype=torch.float32)).contiguous()
@@ -39,7 +52,7 @@ def fp8_act_qdq(x: torch.Tensor, block: int = WEIGHT_BLOCK) -> torch.Tensor:
     groups = x.float().unflatten(-1, (-1, block))
     scale = _pow2_ceil_scale(groups.abs().amax(dim=-1, keepdim=True).clamp_min(1e-4), FP8_MAX)
     quantized = to_e4m3(groups / scale).float() * scale
-    return quantized.flatten(-2).to(x.dtype)
+    return straight_through(x, quantized.flatten(-2).to(x.dtype))
 
 
 def fp8_quantize_rows(x: torch.Tensor, block: int = WEIGHT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,7 +122,7 @@ def fp4_qdq(x: torch.Tensor, block: int, scale_format: str) -> torch.Tensor:
     groups = x.float().unflatten(-1, (-1, block))
     scale = _fp4_scale(groups.abs().amax(dim=-1, keepdim=True), scale_format)
     rounded = e2m1_values(e2m1_codes((groups / scale).clamp(-FP4_MAX, FP4_MAX)))
-    return (rounded * scale).flatten(-2).to(x.dtype)
+    return straight_through(x, (rounded * scale).flatten(-2).to(x.dtype))
 
 
 def dequantize_fp8_weight(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
