@@ -9,7 +9,7 @@ from .compressor import DeepseekV41Compressor
 from .indexer import DeepseekV41Indexer
 from .layer_plan import LayerSpec
 from .norms import DeepseekV41RMSNorm
-from .numerics import fp4_dequantize_rows, fp4_quantize_rows, fp8_act_qdq, straight_through
+from .numerics import fp4_dequantize_rows, fp4_quantize_rows, fp8_act_qdq, straight_through, weight_dtype
 from .quantized_linear import DeepseekV41Linear
 from .rope import apply_rope_tail, rope_angles
 from .sparse_attention import sparse_attention
@@ -17,17 +17,20 @@ from .sparse_attention import sparse_attention
 POOL_FP4_BLOCK = 16  # compressed KV: FP4 with E4M3 scales per 16 values
 
 
-def window_entries(positions: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+def window_entries(positions: torch.Tensor, window: int, floor: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """For each query, the chunk indices of its window (oldest first, valid entries first) and their validity.
 
     positions [B,S] are contiguous within a row (-1 marks padding). Query i at position p lists positions
-    max(0, p-W+1) .. p; position q sits at chunk index i - (p - q).
+    max(0, p-W+1) .. p; position q sits at chunk index i - (p - q). Positions below `floor` [B] are hidden.
     """
     width = min(window, int(positions.amax()) + 1) if positions.numel() else 0
     width = max(width, 0)
     p = positions.unsqueeze(-1)
     listed = (p - window + 1).clamp_min(0) + torch.arange(width, device=positions.device)
     valid = (listed <= p) & (p >= 0)
+    if floor is not None:
+        valid = valid & (listed >= floor.view(-1, 1, 1))
     index = torch.arange(positions.shape[1], device=positions.device).view(1, -1, 1) - (p - listed)
     return torch.where(valid, index, 0), valid
 
@@ -54,7 +57,7 @@ class DeepseekV41Attention(nn.Module):
         self.window = config.sliding_window
         self.softmax_scale = self.head_dim**-0.5
         fp8 = "fp8" if quantized else "dense"
-        self.attn_sink = nn.Parameter(torch.empty(self.n_heads, dtype=torch.float32))
+        self.attn_sink = nn.Parameter(torch.empty(self.n_heads, dtype=weight_dtype(torch.float32)))
         self.wq_a = DeepseekV41Linear(config.hidden_size, config.q_lora_rank, storage=fp8)
         self.q_norm = DeepseekV41RMSNorm(config.q_lora_rank, config.rms_norm_eps)
         self.wq_b = DeepseekV41Linear(config.q_lora_rank, self.n_heads * self.head_dim, storage=fp8)
@@ -74,6 +77,10 @@ class DeepseekV41Attention(nn.Module):
         index keys, and publish the pool and keys for the layers that read them."""
         spec, cache = self.spec, share.cache
         source = spec.layer_id
+        if source in share.pool_ready:
+            return
+        if cache is not None:  # tokens whose rows are already pooled (a replay) are not compressed again
+            positions = cache.pool_positions(positions)
         out = self.compressor(x, positions, cache.carry(source) if cache is not None else None)
         rotation = rope_angles(out.rows.clamp_min(0) * spec.ratio, inv_freq)
         keys, key_codes = self.indexer.keys(out.latents, rotation)
@@ -93,9 +100,9 @@ class DeepseekV41Attention(nn.Module):
         """Each query's window entries [B,S,L,hd] and validity; with a cache, read the ring then write the chunk."""
         cache = share.cache
         if cache is None:
-            index, valid = window_entries(positions, self.window)
-            return gather_rows(kv, index), valid
-        entries, valid = cache.window_entries(self.spec.layer_id, kv, positions, self.window)
+            index, valid = window_entries(positions, self.window, share.window_floor)
+            return gather_rows(kv, index.clamp_min(0)), valid
+        entries, valid = cache.window_entries(self.spec.layer_id, kv, positions, self.window, share.window_floor)
         cache.write_window(self.spec.layer_id, kv, positions)
         return entries, valid
 

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from .numerics import weight_dtype
 from .attention import DeepseekV41Attention
 from .engram import DeepseekV41Engram
 from .hyper_connections import hc_collapse, hc_expand, hc_mixes
@@ -33,9 +34,9 @@ class DeepseekV41Block(GradientCheckpointingLayer):
         self.ffn_norm = DeepseekV41RMSNorm(config.hidden_size, config.rms_norm_eps)
         mix, width = (2 + config.hc_mult) * config.hc_mult, config.hc_mult * config.hidden_size
         for sublayer in ("attn", "ffn"):
-            setattr(self, f"hc_{sublayer}_fn", nn.Parameter(torch.empty(mix, width, dtype=torch.float32)))
-            setattr(self, f"hc_{sublayer}_base", nn.Parameter(torch.empty(mix, dtype=torch.float32)))
-            setattr(self, f"hc_{sublayer}_scale", nn.Parameter(torch.empty(3, dtype=torch.float32)))
+            setattr(self, f"hc_{sublayer}_fn", nn.Parameter(torch.empty(mix, width, dtype=weight_dtype(torch.float32))))
+            setattr(self, f"hc_{sublayer}_base", nn.Parameter(torch.empty(mix, dtype=weight_dtype(torch.float32))))
+            setattr(self, f"hc_{sublayer}_scale", nn.Parameter(torch.empty(3, dtype=weight_dtype(torch.float32))))
 
     def _make_attention(self, config, spec: LayerSpec, quantized: bool) -> nn.Module:
         return DeepseekV41Attention(config, spec, quantized)
@@ -56,6 +57,12 @@ class DeepseekV41Block(GradientCheckpointingLayer):
         ffn_out, router_logits, experts = self.ffn(self.ffn_norm(hc_collapse(streams, attn_mix.pre)), image_mask)
         streams = hc_expand(ffn_out, streams, ffn_mix.post, ffn_mix.comb)
         return streams, ffn_mix.pre, router_logits, experts
+
+
+    def compress_only(self, streams: torch.Tensor, pre_mix: torch.Tensor, positions: torch.Tensor,
+                      inv_freq: torch.Tensor, share) -> None:
+        """Only what the pool needs from this block: its attention input, compressed into pool rows and keys."""
+        self.attn._pool_rows(self.attn_norm(hc_collapse(streams, pre_mix)), positions, inv_freq, share)
 
 
 class DeepseekV41BackboneBlock(DeepseekV41Block):

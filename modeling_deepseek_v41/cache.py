@@ -106,6 +106,10 @@ class DeepseekV41Cache(Cache):
         self.rings: dict[int, _Ring] = {}
         self._history: _Columns | None = None  # compressed ids per column (DEAD for images and padding)
         self._real: _Columns | None = None  # True where a column is a real token (not padding)
+        self._tokens: _Columns | None = None  # the raw token id of every column
+        self.chunk_start: torch.Tensor | None = None  # [B] first position of the chunk being processed
+        self.pending_replay = False  # a restored cache replays its last window of tokens on the next forward
+        self.crop_floor = 0  # a restored cache cannot roll back past its restore point
         self.compute_dtype: torch.dtype | None = None
 
     @property
@@ -129,6 +133,7 @@ class DeepseekV41Cache(Cache):
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
         self._history = _Columns(batch, torch.long, device)
         self._real = _Columns(batch, torch.bool, device)
+        self._tokens = _Columns(batch, torch.long, device)
         self.compute_dtype = compute_dtype
         # the compressor's projections are fp32 (float64 for a float64 model): keep them in that precision
         projection_dtype = torch.float64 if compute_dtype == torch.float64 else torch.float32
@@ -140,49 +145,78 @@ class DeepseekV41Cache(Cache):
                                                   self.crop_horizon, device, projection_dtype)
 
     # -- per-forward bookkeeping ------------------------------------------------------------------------------
-    def chunk_positions(self, batch: int, seq: int, attention_mask: torch.Tensor | None, device: torch.device,
-                        compute_dtype: torch.dtype) -> torch.Tensor:
-        """Positions [B, S] of the next chunk (-1 at padding), continuing each row's real-token count."""
+    def begin_chunk(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                    compute_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Start a forward over `input_ids`: returns (the ids to run, their positions [B, S'] with -1 at padding,
+        how many leading replayed tokens were prepended). A cache restored from disk first replays its last
+        `sliding_window` tokens, which rebuild the windows and never rewrite the pools."""
+        batch, seq = input_ids.shape
         if not self.is_initialized:
-            self._allocate(batch, device, compute_dtype)
+            self._allocate(batch, input_ids.device, compute_dtype)
         if self.lengths.shape[0] != batch:
             raise ValueError(f"The cache holds {self.lengths.shape[0]} rows but the input has {batch}.")
         if attention_mask is None:
-            return self.lengths.unsqueeze(1) + torch.arange(seq, device=device)
-        if attention_mask.shape[1] not in (seq, self.columns + seq):
+            positions = self.lengths.unsqueeze(1) + torch.arange(seq, device=input_ids.device)
+        elif attention_mask.shape[1] not in (seq, self.columns + seq):
             raise ValueError(
                 f"attention_mask covers {attention_mask.shape[1]} columns; expected the chunk ({seq}) or the cache "
                 f"plus the chunk ({self.columns + seq})."
             )
-        chunk = attention_mask[:, -seq:].to(torch.bool)
-        return torch.where(chunk, self.lengths.unsqueeze(1) + chunk.long().cumsum(-1) - 1, -1)
+        else:
+            chunk = attention_mask[:, -seq:].to(torch.bool)
+            positions = torch.where(chunk, self.lengths.unsqueeze(1) + chunk.long().cumsum(-1) - 1, -1)
+        replayed = 0
+        if self.pending_replay:
+            replayed = min(self.text_config.sliding_window, self.columns)
+            real = self._real.view(0, self.columns)
+            old_positions = torch.where(real, real.long().cumsum(-1) - 1, -1)[:, self.columns - replayed:]
+            input_ids = torch.cat([self._tokens.view(self.columns - replayed, self.columns), input_ids], dim=1)
+            positions = torch.cat([old_positions, positions], dim=1)
+            self.pending_replay = False
+        live = positions >= 0
+        big = torch.iinfo(positions.dtype).max
+        self.chunk_start = torch.where(live, positions, big).amin(dim=1)
+        return input_ids, positions, replayed
 
-    def append_history(self, compressed: torch.Tensor) -> torch.Tensor:
-        """Append the chunk's compressed ids; returns the last `max_ngram - 1` old columns followed by the chunk."""
+    def append_history(self, compressed: torch.Tensor, replayed: int = 0) -> torch.Tensor:
+        """Append the chunk's compressed ids (replayed ones are already there); returns the last `max_ngram - 1`
+        earlier columns followed by the whole chunk."""
         keep = self.text_config.engram_max_ngram_size - 1
-        self._history.write(self.columns, compressed)
-        return self._history.view(max(0, self.columns - keep), self.columns + compressed.shape[1])
+        self._history.write(self.columns, compressed[:, replayed:])
+        new_end = self.columns + compressed.shape[1] - replayed
+        return self._history.view(max(0, self.columns - replayed - keep), new_end)
 
-    def commit(self, positions: torch.Tensor) -> None:
-        """Account the chunk: advance the column count and each row's real-token count."""
-        self._real.write(self.columns, positions >= 0)
-        self.columns += positions.shape[1]
-        self.lengths = self.lengths + (positions >= 0).sum(dim=1)
+    def commit(self, input_ids: torch.Tensor, positions: torch.Tensor, replayed: int = 0) -> None:
+        """Account the chunk (its non-replayed part): tokens, real columns, column and per-row token counts."""
+        new_ids, new_positions = input_ids[:, replayed:], positions[:, replayed:]
+        self._tokens.write(self.columns, new_ids)
+        self._real.write(self.columns, new_positions >= 0)
+        self.columns += new_positions.shape[1]
+        self.lengths = self.lengths + (new_positions >= 0).sum(dim=1)
+
+    def pool_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """Positions that still need pool rows (replayed tokens already have theirs): others become -1."""
+        return torch.where(positions >= self.lengths.unsqueeze(1), positions, -1)
 
     # -- window rings ---------------------------------------------------------------------------------------
-    def window_entries(self, layer_id: int, chunk_kv: torch.Tensor, positions: torch.Tensor, window: int
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each query's window entries [B,S,L,hd] (oldest first) and validity, from the ring and the chunk."""
+    def window_entries(self, layer_id: int, chunk_kv: torch.Tensor, positions: torch.Tensor, window: int,
+                       floor: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each query's window entries [B,S,L,hd] (oldest first) and validity, from the ring and the chunk.
+        `floor` [B], when given, hides positions below it (a window restricted to a replayed segment)."""
         ring = self.rings[layer_id]
-        start = self.lengths.unsqueeze(1).unsqueeze(2)  # first position of this chunk, per row
+        start = self.chunk_start.view(-1, 1, 1)
         width = min(window, int(positions.amax()) + 1) if positions.numel() else 0
         p = positions.unsqueeze(-1)
         listed = (p - window + 1).clamp_min(0) + torch.arange(max(width, 0), device=positions.device)
         valid = (listed <= p) & (p >= 0)
+        if floor is not None:
+            valid = valid & (listed >= floor.view(-1, 1, 1))
         in_chunk = listed >= start
         chunk_index = torch.arange(positions.shape[1], device=positions.device).view(1, -1, 1) - (p - listed)
         chunk_index = torch.where(valid & in_chunk, chunk_index, 0)
         ring_slot = torch.where(valid & ~in_chunk, listed % ring.size, 0)
+        batch_ids = torch.arange(positions.shape[0], device=positions.device).view(-1, 1, 1)
+        valid = valid & (in_chunk | (ring.positions[batch_ids, ring_slot] == listed))  # a ring slot may be empty
         from_chunk = _gather(chunk_kv, chunk_index)
         from_ring = ring.rows.gather(ring_slot, chunk_kv.dtype)
         entries = torch.where((valid & in_chunk).unsqueeze(-1), from_chunk, from_ring)
@@ -280,8 +314,9 @@ class DeepseekV41Cache(Cache):
                 f"Cannot crop {count} tokens: this cache keeps {self.crop_horizon} tokens of history to roll back "
                 "exactly (crop_horizon). Create it with a larger crop_horizon."
             )
-        if count > self.columns:
-            raise ValueError(f"Cannot crop {count} tokens from a cache holding {self.columns}.")
+        if count > self.columns - self.crop_floor:
+            raise ValueError(f"Cannot crop {count} tokens from a cache holding {self.columns} "
+                             f"({self.crop_floor} of them restored from disk, which cannot be rolled back).")
         self.lengths = self.lengths - self._real.view(self.columns - count, self.columns).sum(dim=1)
         self.columns -= count
         for ring in self.rings.values():
@@ -310,6 +345,7 @@ class DeepseekV41Cache(Cache):
         self.lengths = self.lengths.index_select(0, indices)
         self._history.select(indices)
         self._real.select(indices)
+        self._tokens.select(indices)
         for ring in self.rings.values():
             ring.rows.select_batch(indices)
             ring.positions = ring.positions.index_select(0, indices)
@@ -328,6 +364,30 @@ class DeepseekV41Cache(Cache):
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.is_initialized:
             self.batch_select_indices(torch.arange(self.lengths.shape[0]).repeat_interleave(repeats))
+
+    # -- persistence ----------------------------------------------------------------------------------------
+    def save(self, path, model) -> "Path":
+        """Save the prefix (global KV, carries, Engram history, token ids) to `path`, atomically."""
+        from .cache_persistence import save_cache
+
+        return save_cache(self, path, model)
+
+    @classmethod
+    def load(cls, path, model, dspark: bool = False, crop_horizon: int | None = None) -> "DeepseekV41Cache":
+        """Restore a saved prefix for `model`; its next forward first replays the last `sliding_window` tokens to
+        rebuild the windows (bounded replay), then runs the new tokens."""
+        from .cache_persistence import load_cache
+
+        return load_cache(path, model, dspark=dspark, crop_horizon=crop_horizon)
+
+    def check_extends(self, input_ids: torch.Tensor) -> None:
+        """A restored prefix continues only with inputs that start with its saved tokens."""
+        saved = self._tokens.view(0, self.columns)
+        if input_ids.shape[1] < self.columns or not torch.equal(input_ids[:, : self.columns].to(saved.device), saved):
+            raise ValueError(
+                f"The input does not extend the restored prefix: its first {self.columns} tokens must equal the "
+                "saved ones (pass the full sequence, prefix then suffix, to generate())."
+            )
 
     # -- inspection -----------------------------------------------------------------------------------------
     def nbytes_by_component(self) -> dict[str, int]:

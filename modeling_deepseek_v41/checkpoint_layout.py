@@ -109,10 +109,13 @@ def describe_mismatch(expected: dict, found: dict[str, tuple[tuple[int, ...], st
     return problems
 
 
+_DENSE_FLOATS = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+
+
 def _loss_free_cast(have: torch.dtype | None, want: torch.dtype) -> bool:
-    """A stored dtype the model converts without loss (bf16 -> fp32 upcast, fp32 for a float64 model)."""
-    return (have, want) in {(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16),
-                            (torch.bfloat16, torch.float64), (torch.float32, torch.float64)}
+    """Dense floating-point tensors are cast to the parameter's dtype on load; quantized bytes, scales and integer
+    tensors must be stored exactly as the model holds them."""
+    return have in _DENSE_FLOATS and want in _DENSE_FLOATS
 
 
 def validate_checkpoint_folder(folder: str | os.PathLike, config, hub_layout: bool | None = None) -> dict:

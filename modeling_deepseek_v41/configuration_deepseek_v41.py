@@ -79,6 +79,7 @@ class DeepseekV41TextConfig(PreTrainedConfig):
         dspark_n_routed_experts: int = 128,
         dspark_num_experts_per_tok: int = 3,
         router_aux_loss_coef: float = 0.0001,
+        prefill_mode: str = "exact",
         initializer_range: float = 0.02,
         use_cache: bool = True,
         tie_word_embeddings: bool = False,
@@ -154,6 +155,10 @@ class DeepseekV41TextConfig(PreTrainedConfig):
         self.dspark_n_routed_experts = dspark_n_routed_experts
         self.dspark_num_experts_per_tok = dspark_num_experts_per_tok
         self.router_aux_loss_coef = router_aux_loss_coef
+        # "exact" runs every prompt token through every layer; "bounded_replay" is the CED serving path
+        if prefill_mode not in ("exact", "bounded_replay"):
+            raise ValueError(f"prefill_mode must be 'exact' or 'bounded_replay', got {prefill_mode!r}.")
+        self.prefill_mode = prefill_mode
         self.initializer_range = initializer_range
         self.use_cache = use_cache
         kwargs.setdefault("bos_token_id", 0)

@@ -9,7 +9,7 @@ from .attention import DeepseekV41Attention
 from .block import DeepseekV41Block
 from .layer_plan import LayerSpec
 from .norms import DeepseekV41RMSNorm
-from .numerics import fp8_act_qdq
+from .numerics import fp8_act_qdq, weight_dtype
 from .quantized_linear import DeepseekV41Linear
 from .rope import apply_rope_tail
 from .sparse_attention import sparse_attention
@@ -43,7 +43,7 @@ class DeepseekV41MarkovHead(nn.Module):
 
     def __init__(self, vocab_size: int, rank: int) -> None:
         super().__init__()
-        self.embed = nn.Embedding(vocab_size, rank, dtype=torch.bfloat16)
+        self.embed = nn.Embedding(vocab_size, rank, dtype=weight_dtype(torch.bfloat16))
         self.head = DeepseekV41Linear(rank, vocab_size, dtype=torch.float32)
 
     def forward(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

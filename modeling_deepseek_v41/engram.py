@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .numerics import WEIGHT_BLOCK, compute_dtype
+from .numerics import WEIGHT_BLOCK, compute_dtype, weight_dtype
 from .quantized_linear import DeepseekV41Linear
 
 
@@ -20,7 +20,7 @@ class DeepseekV41EngramTable(nn.Module):
             self.scale = nn.Parameter(torch.empty(rows, head_dim // WEIGHT_BLOCK, dtype=torch.float8_e8m0fnu),
                                       requires_grad=False)
         else:
-            self.weight = nn.Parameter(torch.empty(rows, head_dim, dtype=torch.bfloat16))
+            self.weight = nn.Parameter(torch.empty(rows, head_dim, dtype=weight_dtype(torch.bfloat16)))
             self.register_parameter("scale", None)
 
     def forward(self, row_ids: torch.Tensor) -> torch.Tensor:
@@ -56,8 +56,8 @@ class DeepseekV41Engram(nn.Module):
         self.embed = DeepseekV41EngramTable(rows, config.engram_head_dim, quantized)
         self.wkv = DeepseekV41Linear(n_columns * config.engram_head_dim, config.hidden_size * (config.hc_mult + 1),
                                      storage="fp8" if quantized else "dense")
-        self.q_weight = nn.Parameter(torch.ones(config.hc_mult, config.hidden_size, dtype=torch.bfloat16))
-        self.k_weight = nn.Parameter(torch.ones(config.hc_mult, config.hidden_size, dtype=torch.bfloat16))
+        self.q_weight = nn.Parameter(torch.ones(config.hc_mult, config.hidden_size, dtype=weight_dtype(torch.bfloat16)))
+        self.k_weight = nn.Parameter(torch.ones(config.hc_mult, config.hidden_size, dtype=weight_dtype(torch.bfloat16)))
 
     def forward(self, streams: torch.Tensor, row_ids: torch.Tensor, live: torch.Tensor | None) -> torch.Tensor:
         """streams [B,S,hc,D]; row_ids [B,S,columns]; live [B,S] bool (False: image span or padding)."""

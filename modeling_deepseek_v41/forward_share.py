@@ -23,3 +23,5 @@ class ForwardShare:
     record_selection: bool = False  # keep scores and candidates of every index source (tests, inspection)
     candidate_history: dict[int, torch.Tensor] = field(default_factory=dict)
     cache: object | None = None  # a DeepseekV41Cache when decoding incrementally
+    pool_ready: set[int] = field(default_factory=set)  # pool owners whose rows this forward already wrote
+    window_floor: torch.Tensor | None = None  # [B] lowest position a window may list (bounded replay)

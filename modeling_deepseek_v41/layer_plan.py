@@ -61,6 +61,11 @@ class LayerPlan:
     def num_layers(self) -> int:
         return len(self.layers)
 
+    @property
+    def decoder_start(self) -> int | None:
+        """The first decoder layer of the CED split: the last pool owner, whose pool every later layer reads."""
+        return self.kv_sources[-1] if self.kv_sources else None
+
     def pool_ratio(self, source: int) -> int:
         return self.layers[source].ratio
 

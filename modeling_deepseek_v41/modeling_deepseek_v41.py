@@ -27,7 +27,7 @@ from .hyper_connections import hc_collapse
 from .layer_plan import LayerPlan
 from .loading import compressed_token_map, dequantize_module_weights, load_tokenizer_for_token_map
 from .norms import DeepseekV41RMSNorm
-from .numerics import quantize_fp4_weight, quantize_fp8_weight
+from .numerics import quantize_fp4_weight, quantize_fp8_weight, weight_dtype
 from .quantized_linear import STORAGE_FP4, STORAGE_FP8, DeepseekV41Linear
 from .rope import rope_angles, rope_inv_freq
 from .vision import DeepseekV41VisionAligner, DeepseekV41VisionTower, embed_images, merge_image_embeddings
@@ -45,6 +45,9 @@ class DeepseekV41CausalLMOutput(MoeCausalLMOutputWithPast):
     router_experts: tuple[torch.Tensor, ...] | None = None
 
 
+PREFILL_MODES = ("exact", "bounded_replay")
+
+
 @dataclass
 class ForwardContext:
     """Everything the layers of one forward share, computed once before the first layer."""
@@ -55,6 +58,17 @@ class ForwardContext:
     engram_live: torch.Tensor | None  # [B,S] False at image-span and padding positions
     image_mask: torch.Tensor | None  # [B,S] True inside image spans
     share: ForwardShare
+
+    def tail(self, count: int) -> "ForwardContext":
+        """The same forward restricted to its last `count` tokens (sharing the CSA2 share)."""
+        return ForwardContext(
+            positions=self.positions[:, -count:],
+            rotations={k: (angles[:, -count:], inv) for k, (angles, inv) in self.rotations.items()},
+            engram_rows=None if self.engram_rows is None else self.engram_rows[:, -count:],
+            engram_live=None if self.engram_live is None else self.engram_live[:, -count:],
+            image_mask=None if self.image_mask is None else self.image_mask[:, -count:],
+            share=self.share,
+        )
 
 
 @dataclass
@@ -67,6 +81,7 @@ class BackboneRun:
     router_logits: list[torch.Tensor]
     experts: list[torch.Tensor]
     taps: list[torch.Tensor]  # DSpark taps in dspark_target_layer_ids order
+    positions: torch.Tensor  # [B, T] positions of the tokens the last layers ran on (the taps' positions)
 
 
 class DeepseekV41PreTrainedModel(PreTrainedModel):
@@ -141,7 +156,7 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
         quantized = config.checkpoint_quantization is not None
         self.quantized = quantized
         vision = config.vision_enabled
-        self.embed = nn.Embedding(text.vocab_size, text.hidden_size, dtype=torch.bfloat16)
+        self.embed = nn.Embedding(text.vocab_size, text.hidden_size, dtype=weight_dtype(torch.bfloat16))
         self.layers = nn.ModuleList(
             DeepseekV41BackboneBlock(text, spec, quantized, has_vision_bias=vision) for spec in self.plan.layers
         )
@@ -156,7 +171,7 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
             self.vision = DeepseekV41VisionTower(config.vision_config)
             self.aligner = DeepseekV41VisionAligner(config.vision_config, text.hidden_size)
             for name in ("image_start", "image_end", "image_newline"):
-                setattr(self, name, nn.Parameter(torch.empty(text.hidden_size, dtype=torch.bfloat16)))
+                setattr(self, name, nn.Parameter(torch.empty(text.hidden_size, dtype=weight_dtype(torch.bfloat16))))
         if self.plan.engram_layers:
             self.engram_layout = EngramHashLayout.from_config(text)
             # built from the tokenizer when a checkpoint does not carry it; -1 marks "not built yet"
@@ -283,6 +298,8 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
         """Images and their token types belong to the prefill only; later steps feed text tokens."""
         is_first = kwargs.get("is_first_iteration", False)
         cache = kwargs.get("cache")
+        if cache is not None and cache.pending_replay:
+            cache.check_extends(input_ids)
         continuing = cache is not None and cache.get_seq_length() > 0 and not is_first
         token_types = kwargs.pop("token_types", None)
         model_inputs = super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
@@ -304,7 +321,8 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
             float(scaling.get("beta_fast", 32)), float(scaling.get("beta_slow", 1)),
         ).to(device)
 
-    def engram_rows(self, input_ids: torch.Tensor, dead: torch.Tensor | None, cache=None) -> torch.Tensor:
+    def engram_rows(self, input_ids: torch.Tensor, dead: torch.Tensor | None, cache=None, replayed: int = 0
+                    ) -> torch.Tensor:
         """Global Engram table rows [B,S,n_engram_layers,columns] of every position of `input_ids`; with a cache,
         n-grams reach back into the cached history."""
         token_map = self.engram_token_map
@@ -317,7 +335,7 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
         compressed = token_map[input_ids]
         if dead is not None:
             compressed = compressed.masked_fill(dead, DEAD)
-        history = cache.append_history(compressed) if cache is not None else compressed
+        history = cache.append_history(compressed, replayed) if cache is not None else compressed
         pad = int(token_map[text.engram_pad_token_id])
         shifted = ngram_window(history, pad, text.engram_max_ngram_size, input_ids.shape[1])
         primes, offsets, multipliers = (t.to(input_ids.device) for t in self.engram_layout.tensors())
@@ -325,16 +343,17 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
 
     def prepare_context(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                         token_types: torch.Tensor | None = None, record_selection: bool = False,
-                        cache=None) -> ForwardContext:
+                        cache=None, positions: torch.Tensor | None = None, replayed: int = 0) -> ForwardContext:
+        """Everything the layers share for one forward: positions (-1 at padding), RoPE rotations, Engram rows,
+        image mask and the per-forward CSA2 share. With a cache, `positions` come from `cache.begin_chunk`."""
         batch, seq = input_ids.shape
         device = input_ids.device
-        if cache is not None:
-            positions = cache.chunk_positions(batch, seq, attention_mask, device, self.embed.weight.dtype)
-        elif attention_mask is None:
-            positions = torch.arange(seq, device=device).expand(batch, seq)
-        else:
-            mask = attention_mask[:, -seq:].to(torch.bool)
-            positions = torch.where(mask, mask.long().cumsum(-1) - 1, -1)
+        if positions is None:
+            if attention_mask is None:
+                positions = torch.arange(seq, device=device).expand(batch, seq)
+            else:
+                mask = attention_mask[:, -seq:].to(torch.bool)
+                positions = torch.where(mask, mask.long().cumsum(-1) - 1, -1)
         padding = positions < 0
         padding = padding if bool(padding.any()) else None
         image_mask = token_types >= 0 if token_types is not None else None
@@ -345,9 +364,9 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
         for theta, yarn in self._rope_tables:
             inv_freq = self._inv_freq(theta, yarn, device)
             rotations[(theta, yarn)] = (rope_angles(positions.clamp_min(0), inv_freq), inv_freq)
-        engram_rows = self.engram_rows(input_ids, dead, cache) if self.plan.engram_layers else None
+        engram_rows = self.engram_rows(input_ids, dead, cache, replayed) if self.plan.engram_layers else None
         if cache is not None and not self.plan.engram_layers:
-            cache.append_history(torch.full_like(input_ids, DEAD))
+            cache.append_history(torch.full_like(input_ids, DEAD), replayed)
         return ForwardContext(
             positions=positions, rotations=rotations, engram_rows=engram_rows,
             engram_live=None if dead is None else ~dead, image_mask=image_mask,
@@ -375,7 +394,8 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
         pre_mix = torch.zeros(*streams.shape[:3], dtype=torch.float64 if streams.dtype == torch.float64
                               else torch.float32, device=streams.device)
         pre_mix[..., 0] = 1.0
-        run = BackboneRun(streams, pre_mix, (streams,) if output_hidden_states else None, [], [], [])
+        run = BackboneRun(streams, pre_mix, (streams,) if output_hidden_states else None, [], [], [],
+                          context.positions)
         for index in range(len(self.layers)):
             streams = self.apply_engram(index, streams, context)
             if self.layers[index].spec.is_dspark_tap:
@@ -386,6 +406,44 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
             if output_hidden_states:
                 run.all_streams += (streams,)
         run.streams, run.pre_mix = streams, pre_mix
+        return run
+
+    def run_backbone_bounded(self, hidden: torch.Tensor, context: ForwardContext, replay: int) -> "BackboneRun":
+        """CED prefill with bounded replay: every token runs the encoder layers and the first decoder layer's
+        compressor (the decoder's pool depends on nothing else); only the last `replay` tokens run the decoder
+        layers, whose windows see only the replayed segment."""
+        decoder = self.plan.decoder_start
+        streams = hidden.unsqueeze(2).repeat(1, 1, self.config.text_config.hc_mult, 1)
+        pre_mix = torch.zeros(*streams.shape[:3], dtype=torch.float64 if streams.dtype == torch.float64
+                              else torch.float32, device=streams.device)
+        pre_mix[..., 0] = 1.0
+        run = BackboneRun(streams, pre_mix, None, [], [], [], context.positions)
+        for index in range(decoder):
+            streams = self.apply_engram(index, streams, context)
+            if self.layers[index].spec.is_dspark_tap:
+                run.taps.append(streams.mean(dim=2))
+            streams, pre_mix, logits, experts = self.layer_step(index, streams, pre_mix, context)
+            run.router_logits.append(logits)
+            run.experts.append(experts)
+        layer = self.layers[decoder]
+        streams = self.apply_engram(decoder, streams, context)
+        _, inv_freq = context.rotations[(layer.spec.rope_theta, layer.spec.use_yarn)]
+        layer.compress_only(streams, pre_mix, context.positions, inv_freq, context.share)
+        tail = context.tail(replay)
+        tail.share.pool_ready.add(decoder)
+        tail.share.window_floor = torch.where(tail.positions >= 0, tail.positions,
+                                              torch.iinfo(tail.positions.dtype).max).amin(dim=1)
+        streams, pre_mix = streams[:, -replay:], pre_mix[:, -replay:]
+        run.taps = [tap[:, -replay:] for tap in run.taps]
+        for index in range(decoder, len(self.layers)):
+            if index > decoder:
+                streams = self.apply_engram(index, streams, tail)
+            if self.layers[index].spec.is_dspark_tap:
+                run.taps.append(streams.mean(dim=2))
+            streams, pre_mix, logits, experts = self.layer_step(index, streams, pre_mix, tail)
+            run.router_logits.append(logits)
+            run.experts.append(experts)
+        run.streams, run.pre_mix, run.positions = streams, pre_mix, tail.positions
         return run
 
     def embed_tokens(self, input_ids: torch.Tensor, token_types: torch.Tensor | None = None,
@@ -419,6 +477,7 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
         token_types: torch.Tensor | None = None,
         pixel_values: torch.Tensor | None = None,
         image_grids: torch.Tensor | None = None,
+        prefill_mode: str | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs,
     ) -> DeepseekV41CausalLMOutput:
@@ -439,18 +498,34 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
             raise ValueError(
                 f"Sequence of {past + input_ids.shape[1]} tokens exceeds max_position_embeddings ({max_positions})."
             )
-        context = self.prepare_context(input_ids, attention_mask, token_types, cache=cache)
+        positions, replayed = None, 0
+        if cache is not None:
+            input_ids, positions, replayed = cache.begin_chunk(input_ids, attention_mask, self.embed.weight.dtype)
+            if replayed and token_types is not None:
+                token_types = torch.cat([torch.full_like(input_ids[:, :replayed], -1), token_types], dim=1)
+        context = self.prepare_context(input_ids, attention_mask, token_types, cache=cache, positions=positions,
+                                       replayed=replayed)
         hidden = inputs_embeds if inputs_embeds is not None else self.embed_tokens(
             input_ids, token_types, pixel_values, image_grids)
-        run = self.run_backbone(hidden, context, output_hidden_states=bool(output_hidden_states))
+        mode = prefill_mode or self.config.text_config.prefill_mode
+        if mode not in PREFILL_MODES:
+            raise ValueError(f"prefill_mode must be one of {PREFILL_MODES}, got {mode!r}.")
+        replay = self.config.text_config.sliding_window
+        if mode == "bounded_replay" and cache is not None and replayed == 0 and input_ids.shape[1] > replay:
+            run = self.run_backbone_bounded(hidden, context, replay)
+        else:
+            run = self.run_backbone(hidden, context, output_hidden_states=bool(output_hidden_states))
         streams, pre_mix = run.streams, run.pre_mix
         all_streams, router_logits, router_experts, taps = run.all_streams, run.router_logits, run.experts, run.taps
         if cache is not None and cache.dspark and taps:
             spec = self.mtp[0].spec
-            rotation = context.rotations[(spec.rope_theta, spec.use_yarn)][0]
-            feed_dspark_rings(self, torch.cat(taps, dim=-1), context.positions, rotation, cache)
+            rotation = context.rotations[(spec.rope_theta, spec.use_yarn)][0][:, -taps[0].shape[1]:]
+            feed_dspark_rings(self, torch.cat(taps, dim=-1), run.positions, rotation, cache)
         if cache is not None:
-            cache.commit(context.positions)
+            cache.commit(input_ids, context.positions, replayed)
+        if replayed:  # the replayed tokens only rebuilt windows: report the caller's tokens
+            streams, pre_mix = streams[:, replayed:], pre_mix[:, replayed:]
+            taps = [tap[:, replayed:] for tap in taps]
         final = hc_collapse(streams, pre_mix)
         kept = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.head(self.norm(final)[:, kept])

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .numerics import compute_dtype
+from .numerics import compute_dtype, weight_dtype
 from .quantized_linear import DeepseekV41Linear
 from .row_invariant import row_invariant_linear
 from .sparse_attention import stable_topk_indices
@@ -22,10 +22,10 @@ class DeepseekV41Gate(nn.Module):
         self.scoring_func = config.scoring_func
         self.norm_topk_prob = config.norm_topk_prob
         self.route_scale = config.routed_scaling_factor
-        self.weight = nn.Parameter(torch.empty(n_experts, config.hidden_size, dtype=torch.bfloat16))
-        self.bias = nn.Parameter(torch.zeros(n_experts, dtype=torch.float32), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(n_experts, config.hidden_size, dtype=weight_dtype(torch.bfloat16)))
+        self.bias = nn.Parameter(torch.zeros(n_experts, dtype=weight_dtype(torch.float32)), requires_grad=False)
         if has_vision_bias:
-            self.bias_vl = nn.Parameter(torch.zeros(n_experts, dtype=torch.float32), requires_grad=False)
+            self.bias_vl = nn.Parameter(torch.zeros(n_experts, dtype=weight_dtype(torch.float32)), requires_grad=False)
         else:
             self.register_parameter("bias_vl", None)
 

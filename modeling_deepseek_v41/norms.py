@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .numerics import compute_dtype
+from .numerics import compute_dtype, weight_dtype
 
 
 class DeepseekV41RMSNorm(nn.Module):
@@ -14,7 +14,7 @@ class DeepseekV41RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, dtype: torch.dtype = torch.bfloat16) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+        self.weight = nn.Parameter(torch.ones(dim, dtype=weight_dtype(dtype)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.to(compute_dtype(x))

@@ -19,6 +19,12 @@ _E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 
+def weight_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a dense parameter is created in: the reference's, or float64 when the model is built under a
+    float64 default dtype (`from_pretrained(..., dtype=torch.float64)`, exact-semantics tests)."""
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else dtype
+
+
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The accumulation dtype the reference uses fp32 for; float64 runs stay in float64."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .numerics import WEIGHT_BLOCK, dequantize_fp4_weight, dequantize_fp8_weight, fp8_act_qdq
+from .numerics import WEIGHT_BLOCK, dequantize_fp4_weight, dequantize_fp8_weight, fp8_act_qdq, weight_dtype
 from .row_invariant import row_invariant_linear
 
 STORAGE_FP8 = "fp8"
@@ -42,7 +42,7 @@ class DeepseekV41Linear(nn.Module):
             self.scale = nn.Parameter(torch.empty(out_features, in_features // WEIGHT_BLOCK,
                                                   dtype=torch.float8_e8m0fnu), requires_grad=False)
         elif storage == STORAGE_DENSE:
-            self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
+            self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=weight_dtype(dtype)))
             self.register_parameter("scale", None)
         else:
             raise ValueError(f"unknown weight storage {storage!r}")

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .numerics import weight_dtype
 from .configuration_deepseek_v41 import DeepseekV41VisionConfig
 
 # token types of an image span (see processing/): text, then the four kinds of span positions
@@ -32,7 +33,7 @@ class DeepseekV41VisionRMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=torch.float32))
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=weight_dtype(torch.float32)))
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         input_dtype = hidden_states.dtype
@@ -70,7 +71,7 @@ class DeepseekV41VisionPatchEmbed(nn.Module):
 
     def __init__(self, config: DeepseekV41VisionConfig) -> None:
         super().__init__()
-        self.proj = nn.Linear(3 * config.patch_size**2, config.hidden_size, dtype=torch.bfloat16)
+        self.proj = nn.Linear(3 * config.patch_size**2, config.hidden_size, dtype=weight_dtype(torch.bfloat16))
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:
         return self.proj(patches.flatten(1).to(self.proj.weight.dtype))
@@ -83,8 +84,8 @@ class DeepseekV41VisionAttention(nn.Module):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.head_dim = config.hidden_size // config.num_attention_heads
-        self.wqkv = nn.Linear(config.hidden_size, 3 * config.hidden_size, dtype=torch.bfloat16)
-        self.wo = nn.Linear(config.hidden_size, config.hidden_size, dtype=torch.bfloat16)
+        self.wqkv = nn.Linear(config.hidden_size, 3 * config.hidden_size, dtype=weight_dtype(torch.bfloat16))
+        self.wo = nn.Linear(config.hidden_size, config.hidden_size, dtype=weight_dtype(torch.bfloat16))
 
     def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         n = hidden_states.shape[0]
@@ -102,8 +103,8 @@ class DeepseekV41VisionMLP(nn.Module):
 
     def __init__(self, config: DeepseekV41VisionConfig) -> None:
         super().__init__()
-        self.w1 = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False, dtype=torch.bfloat16)
-        self.w2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=torch.bfloat16)
+        self.w1 = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False, dtype=weight_dtype(torch.bfloat16))
+        self.w2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=weight_dtype(torch.bfloat16))
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         gate, up = self.w1(hidden_states).chunk(2, dim=-1)
@@ -168,8 +169,8 @@ class DeepseekV41VisionAligner(nn.Module):
         super().__init__()
         self.downsample_ratio = config.downsample_ratio
         merged_size = config.hidden_size * config.downsample_ratio**2
-        self.w1 = nn.Linear(merged_size, text_hidden_size, dtype=torch.bfloat16)
-        self.w2 = nn.Linear(text_hidden_size, text_hidden_size, dtype=torch.bfloat16)
+        self.w1 = nn.Linear(merged_size, text_hidden_size, dtype=weight_dtype(torch.bfloat16))
+        self.w2 = nn.Linear(text_hidden_size, text_hidden_size, dtype=weight_dtype(torch.bfloat16))
 
     def merge_cells(self, features: torch.Tensor, n_vit_h: int, n_vit_w: int) -> torch.Tensor:
         """`[n_vit_h*n_vit_w, C]` -> `[n_llm_h*n_llm_w, C*r*r]`, cells in row-major order."""

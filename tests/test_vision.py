@@ -79,14 +79,19 @@ def test_vit_and_aligner_bit_exact(case):
             assert torch.equal(aligned, expected[f"aligner_output.image{i}"])
 
 
-def test_result_does_not_depend_on_default_dtype(case):
+def test_result_does_not_depend_on_a_float32_default_dtype(case):
+    """Parameters carry the reference's dtypes whatever the default dtype, except that a float64 default builds a
+    float64 tower (the exact-semantics mode)."""
     config = DeepseekV41VisionConfig(**json.loads((CHECKPOINT / "config.json").read_text())["vision_config"])
     previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
     try:
+        torch.set_default_dtype(torch.float32)
         tower = DeepseekV41VisionTower(config)
+        torch.set_default_dtype(torch.float64)
+        assert DeepseekV41VisionTower(config).blocks[0].attn.wqkv.weight.dtype == torch.float64
     finally:
         torch.set_default_dtype(previous)
+    assert tower.blocks[0].attn.wqkv.weight.dtype == torch.bfloat16 and tower.norm.weight.dtype == torch.float32
     _load(tower, case["tensors"], "vision.")
     image = case["meta"]["images"][0]
     with torch.no_grad():
