@@ -15,14 +15,16 @@ from .rope import apply_rope_tail, rope_angles
 from .sparse_attention import sparse_attention
 
 POOL_FP4_BLOCK = 16  # compressed KV: FP4 with E4M3 scales per 16 values
+QUERY_CHUNK = 1024  # queries attended (and indexed) per step of a long prefill
 
 
-def window_entries(positions: torch.Tensor, window: int, floor: torch.Tensor | None = None
+def window_entries(positions: torch.Tensor, window: int, floor: torch.Tensor | None = None, offset: int = 0
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """For each query, the chunk indices of its window (oldest first, valid entries first) and their validity.
 
     positions [B,S] are contiguous within a row (-1 marks padding). Query i at position p lists positions
     max(0, p-W+1) .. p; position q sits at chunk index i - (p - q). Positions below `floor` [B] are hidden.
+    `positions` may be a slice of the chunk's queries starting at chunk index `offset`.
     """
     width = min(window, int(positions.amax()) + 1) if positions.numel() else 0
     width = max(width, 0)
@@ -31,7 +33,7 @@ def window_entries(positions: torch.Tensor, window: int, floor: torch.Tensor | N
     valid = (listed <= p) & (p >= 0)
     if floor is not None:
         valid = valid & (listed >= floor.view(-1, 1, 1))
-    index = torch.arange(positions.shape[1], device=positions.device).view(1, -1, 1) - (p - listed)
+    index = offset + torch.arange(positions.shape[1], device=positions.device).view(1, -1, 1) - (p - listed)
     return torch.where(valid, index, 0), valid
 
 
@@ -96,15 +98,15 @@ class DeepseekV41Attention(nn.Module):
         # unpacked on first use by an indexer: scanning the compressed history is the indexers' job
         share.index_keys[source] = lambda: cache.pool_keys(source, total, x.dtype)
 
-    def _window(self, kv: torch.Tensor, positions: torch.Tensor, share) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each query's window entries [B,S,L,hd] and validity; with a cache, read the ring then write the chunk."""
+    def _window(self, kv: torch.Tensor, positions: torch.Tensor, share, queries: slice
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The window entries [B,q,L,hd] and validity of the queries in `queries` (a slice of the chunk)."""
         cache = share.cache
         if cache is None:
-            index, valid = window_entries(positions, self.window, share.window_floor)
+            index, valid = window_entries(positions[:, queries], self.window, share.window_floor, queries.start)
             return gather_rows(kv, index.clamp_min(0)), valid
-        entries, valid = cache.window_entries(self.spec.layer_id, kv, positions, self.window, share.window_floor)
-        cache.write_window(self.spec.layer_id, kv, positions)
-        return entries, valid
+        return cache.window_entries(self.spec.layer_id, kv, positions[:, queries], self.window, share.window_floor,
+                                    queries.start)
 
     def _pool_entries(self, selected: torch.Tensor, share, dtype: torch.dtype) -> torch.Tensor:
         rows = selected.clamp_min(0)
@@ -126,18 +128,28 @@ class DeepseekV41Attention(nn.Module):
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
         q = apply_rope_tail(q, rotation, self.rope_dim)
         kv = fp8_act_qdq(apply_rope_tail(self.kv_norm(self.wkv(x)), rotation, self.rope_dim))
-        entries, valid = self._window(kv, positions, share)
         spec = self.spec
+        selected = None
         if spec.ratio:
             if spec.owns_pool:
                 self._pool_rows(x, positions, inv_freq, share)
             if spec.is_index_source:
                 visible = torch.div(positions + 1, spec.ratio, rounding_mode="floor").clamp_min(0)
-                selected = self.indexer(x, qr, rotation, share.index_keys[spec.pool_source], visible, share)
-                share.topk[spec.layer_id] = selected
+                share.topk[spec.layer_id] = self.indexer(x, qr, rotation, share.index_keys[spec.pool_source],
+                                                         visible, share)
             selected = share.topk[spec.topk_source]
-            entries = torch.cat([entries, self._pool_entries(selected, share, kv.dtype)], dim=2)
-            valid = torch.cat([valid, selected >= 0], dim=2)
-        o = sparse_attention(q, entries, valid, self.attn_sink, self.softmax_scale)
+        # queries in chunks, so that long prefills gather a bounded number of entries at a time
+        outputs = []
+        for start in range(0, q.shape[1], QUERY_CHUNK):
+            queries = slice(start, start + QUERY_CHUNK)
+            entries, valid = self._window(kv, positions, share, queries)
+            if selected is not None:
+                rows = selected[:, queries]
+                entries = torch.cat([entries, self._pool_entries(rows, share, kv.dtype)], dim=2)
+                valid = torch.cat([valid, rows >= 0], dim=2)
+            outputs.append(sparse_attention(q[:, queries], entries, valid, self.attn_sink, self.softmax_scale))
+        if share.cache is not None:
+            share.cache.write_window(spec.layer_id, kv, positions)
+        o = torch.cat(outputs, dim=1)
         o = apply_rope_tail(o, rotation, self.rope_dim, inverse=True)
         return self._output(o)

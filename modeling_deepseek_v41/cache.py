@@ -200,9 +200,10 @@ class DeepseekV41Cache(Cache):
 
     # -- window rings ---------------------------------------------------------------------------------------
     def window_entries(self, layer_id: int, chunk_kv: torch.Tensor, positions: torch.Tensor, window: int,
-                       floor: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       floor: torch.Tensor | None = None, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Each query's window entries [B,S,L,hd] (oldest first) and validity, from the ring and the chunk.
-        `floor` [B], when given, hides positions below it (a window restricted to a replayed segment)."""
+        `floor` [B], when given, hides positions below it (a window restricted to a replayed segment);
+        `positions` may be the queries of a slice of the chunk starting at chunk index `offset`."""
         ring = self.rings[layer_id]
         start = self.chunk_start.view(-1, 1, 1)
         width = min(window, int(positions.amax()) + 1) if positions.numel() else 0
@@ -212,7 +213,7 @@ class DeepseekV41Cache(Cache):
         if floor is not None:
             valid = valid & (listed >= floor.view(-1, 1, 1))
         in_chunk = listed >= start
-        chunk_index = torch.arange(positions.shape[1], device=positions.device).view(1, -1, 1) - (p - listed)
+        chunk_index = offset + torch.arange(positions.shape[1], device=positions.device).view(1, -1, 1) - (p - listed)
         chunk_index = torch.where(valid & in_chunk, chunk_index, 0)
         ring_slot = torch.where(valid & ~in_chunk, listed % ring.size, 0)
         batch_ids = torch.arange(positions.shape[0], device=positions.device).view(-1, 1, 1)

@@ -11,6 +11,7 @@ from typing import NamedTuple
 import torch
 from torch.nn import functional as F
 
+from .compiled import compiled
 from .numerics import compute_dtype
 from .row_invariant import row_invariant_linear
 
@@ -24,11 +25,17 @@ class HyperMix(NamedTuple):
 def hc_mixes(streams: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc_mult: int,
              sinkhorn_iters: int, hc_eps: float, norm_eps: float) -> HyperMix:
     """One sublayer's (pre, post, comb) from the streams [B,S,hc,D]: an fp32 projection and Sinkhorn."""
-    hc, eps = hc_mult, hc_eps
     x = streams.flatten(2).to(compute_dtype(streams))
     # one RMS statistic per token over all streams, applied after the projection
     mixes = row_invariant_linear(x, fn.to(x.dtype)) * torch.rsqrt(x.square().mean(-1, keepdim=True) + norm_eps)
-    scale, base = scale.to(x.dtype), base.to(x.dtype)
+    # on an accelerator the 40 small Sinkhorn steps run fused (decode is launch-bound there)
+    split = compiled(split_sinkhorn) if mixes.is_cuda and not torch.is_grad_enabled() else split_sinkhorn
+    return HyperMix(*split(mixes, scale.to(x.dtype), base.to(x.dtype), hc_mult, sinkhorn_iters, hc_eps))
+
+
+def split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, sinkhorn_iters: int,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """pre and post gates, and the Sinkhorn-normalised residual mixing (ending on a column normalisation)."""
     pre = torch.sigmoid(mixes[..., :hc] * scale[0] + base[:hc]) + eps
     post = 2 * torch.sigmoid(mixes[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
     comb = (mixes[..., 2 * hc:] * scale[2] + base[2 * hc:]).unflatten(-1, (hc, hc))
@@ -38,7 +45,8 @@ def hc_mixes(streams: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base:
     for _ in range(sinkhorn_iters - 1):
         comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
         comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    return HyperMix(pre, post, comb)
+    return pre, post, comb
+
 
 
 def hc_collapse(streams: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

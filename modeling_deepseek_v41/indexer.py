@@ -12,6 +12,8 @@ from .rope import apply_rope_tail
 from .sparse_attention import candidate_mask, candidate_positions, select_candidate_blocks, stable_topk_indices
 
 INDEX_FP4_BLOCK = 32
+QUERY_CHUNK = 1024  # queries scored per step of a long prefill
+GATHER_MAX_QUERIES = 64  # up to this many queries, Reindex layers score only their candidate blocks
 
 
 class DeepseekV41Indexer(nn.Module):
@@ -55,24 +57,42 @@ class DeepseekV41Indexer(nn.Module):
         q = fp4_qdq(apply_rope_tail(q, rotation, self.rope_dim), INDEX_FP4_BLOCK, "e8m0")
         weights = self.weights_proj(x) * (self.head_dim**-0.5 * self.n_heads**-0.5)
         k = min(self.topk, keys.shape[1])
-        if self.spec.uses_candidates and share.cache is not None and self._candidates_cover_topk():
-            return self._select_in_candidates(q, weights, keys, visible, share, k)
-        scores = torch.einsum("bshd,btd->bsht", q, keys.to(q.dtype))
-        scores = (scores.relu() * weights.unsqueeze(-1)).sum(dim=2)
-        row_ids = torch.arange(keys.shape[1], device=x.device)
-        scores = scores.masked_fill(row_ids >= visible.unsqueeze(-1), -torch.inf)
+        # decode-sized steps gather their candidate blocks' keys (cost independent of the pool length); prefills
+        # and short pools score every row once, which is cheaper there
+        gathered = (self.spec.uses_candidates and share.cache is not None and self._candidates_cover_topk()
+                    and q.shape[1] <= GATHER_MAX_QUERIES)
+        selections, candidates, recorded = [], [], []
+        for start in range(0, q.shape[1], QUERY_CHUNK):  # bounded score tensors for long prefills
+            queries = slice(start, start + QUERY_CHUNK)
+            if gathered:
+                selections.append(self._select_in_candidates(
+                    q[:, queries], weights[:, queries], keys, visible[:, queries], share.candidates[:, queries], k))
+                continue
+            scores = self._scores(q[:, queries], weights[:, queries], keys, visible[:, queries])
+            if self.spec.is_candidate_source:
+                candidates.append(select_candidate_blocks(scores, visible[:, queries], self.candidate_blocks,
+                                                          self.candidate_block_size))
+            elif self.spec.uses_candidates:
+                mask = candidate_mask(share.candidates[:, queries], self.candidate_block_size, keys.shape[1])
+                scores = scores.masked_fill(~mask, -torch.inf)
+            recorded.append(scores)
+            picked = stable_topk_indices(scores, k).sort(dim=-1).values
+            selections.append(torch.where(picked < visible[:, queries].unsqueeze(-1), picked, -1))
         if self.spec.is_candidate_source:
-            share.candidates = select_candidate_blocks(scores, visible, self.candidate_blocks,
-                                                       self.candidate_block_size)
-        elif self.spec.uses_candidates:
-            mask = candidate_mask(share.candidates, self.candidate_block_size, keys.shape[1])
-            scores = scores.masked_fill(~mask, -torch.inf)
-        if share.record_selection:
-            share.index_scores[self.spec.layer_id] = scores
+            share.candidates = torch.cat(candidates, dim=1)
+        if share.record_selection and recorded:
+            share.index_scores[self.spec.layer_id] = torch.cat(recorded, dim=1)
             if self.spec.is_candidate_source:
                 share.candidate_history[self.spec.layer_id] = share.candidates
-        picked = stable_topk_indices(scores, k).sort(dim=-1).values
-        return torch.where(picked < visible.unsqueeze(-1), picked, -1)
+        return torch.cat(selections, dim=1)
+
+    def _scores(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor
+                ) -> torch.Tensor:
+        """bf16 index scores [B,q,N] of every pool row, -inf where not yet visible."""
+        scores = torch.einsum("bshd,btd->bsht", q, keys.to(q.dtype))
+        scores = (scores.relu() * weights.unsqueeze(-1)).sum(dim=2)
+        row_ids = torch.arange(keys.shape[1], device=q.device)
+        return scores.masked_fill(row_ids >= visible.unsqueeze(-1), -torch.inf)
 
     def _candidates_cover_topk(self) -> bool:
         """Whether every query always has at least top-k reachable candidates once it has top-k visible rows, so
@@ -80,10 +100,10 @@ class DeepseekV41Indexer(nn.Module):
         return (self.candidate_blocks - 1) * self.candidate_block_size + 1 >= self.topk
 
     def _select_in_candidates(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
-                              visible: torch.Tensor, share, k: int) -> torch.Tensor:
+                              visible: torch.Tensor, blocks: torch.Tensor, k: int) -> torch.Tensor:
         """Gather the candidate blocks' keys per query, then score only those (decode cost independent of the
         pool length); ties still go to the earlier position because candidates are listed in position order."""
-        positions = candidate_positions(share.candidates, self.candidate_block_size)
+        positions = candidate_positions(blocks, self.candidate_block_size)
         valid = (positions >= 0) & (positions < visible.unsqueeze(-1))
         batch, seq, width = positions.shape
         flat = torch.where(valid, positions, 0).reshape(batch, seq * width, 1).expand(-1, -1, keys.shape[-1])

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
+from .compiled import compiled
+
 SOFTMAX_BLOCK = 64  # the reference kernel walks each query's list in blocks of 64 entries
 
 
@@ -18,6 +20,21 @@ def stable_topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
+def _fused_sparse_attention(q: torch.Tensor, entries: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
+                            softmax_scale: float) -> torch.Tensor:
+    """One softmax over all listed entries (sink in the denominator, bf16-rounded probabilities in the numerator):
+    the accelerator path, compiled into a few kernels. It differs from the CPU reference path only in the last
+    bits when a query lists more than 64 entries."""
+    logits = torch.einsum("bshd,bskd->bshk", q.float(), entries.float()) * softmax_scale
+    logits = torch.where(valid.unsqueeze(2), logits, -torch.inf)
+    running_max = torch.maximum(logits.amax(dim=-1), torch.full_like(logits[..., 0], -1e30))
+    probs = torch.exp(logits - running_max.unsqueeze(-1))
+    denominator = probs.sum(dim=-1) + torch.exp(sink.float() - running_max)
+    numerator = torch.einsum("bshk,bskd->bshd", probs.to(q.dtype).float(), entries.float())
+    return (numerator / denominator.unsqueeze(-1)).to(q.dtype)
+
+
+
 def sparse_attention(q: torch.Tensor, entries: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
                      softmax_scale: float) -> torch.Tensor:
     """Attend each query to its own listed entries (K = V).
@@ -25,8 +42,11 @@ def sparse_attention(q: torch.Tensor, entries: torch.Tensor, valid: torch.Tensor
     q [B,S,H,d]; entries [B,S,K,d] gathered per query; valid [B,S,K]; sink [H] fp32, added to the denominator
     unscaled. A query with no valid entry outputs zeros. In bf16 the reference kernel's online softmax is
     reproduced: blocks of 64 entries, probabilities rounded to bf16 against the running max in the numerator,
-    fp32 in the denominator. Other dtypes take one exact softmax.
+    fp32 in the denominator. Other dtypes take one exact softmax. On an accelerator (inference) a fused single
+    softmax runs instead.
     """
+    if q.is_cuda and q.dtype != torch.float64 and not torch.is_grad_enabled():
+        return compiled(_fused_sparse_attention)(q, entries, valid, sink, softmax_scale)
     acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     qf, kvf = q.to(acc_dtype), entries.to(acc_dtype) * valid.unsqueeze(-1)
     scale = torch.tensor(softmax_scale, dtype=acc_dtype)
