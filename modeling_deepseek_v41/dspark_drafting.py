@@ -38,10 +38,7 @@ def dspark_draft(model, next_ids: torch.Tensor, cache,
     last = cache.lengths - 1  # each row's last processed position
     block_ids = next_ids.new_full((next_ids.shape[0], size), text.dspark_noise_token_id)
     block_ids[:, 0] = next_ids
-    streams = model.embed(block_ids).unsqueeze(2).repeat(1, 1, text.hc_mult, 1)
-    pre_mix = torch.zeros(*streams.shape[:3], dtype=torch.float64 if streams.dtype == torch.float64
-                          else torch.float32, device=streams.device)
-    pre_mix[..., 0] = 1.0
+    streams, pre_mix = model._initial_streams(model.embed(block_ids))
     positions = last.unsqueeze(1) + 1 + torch.arange(size, device=last.device)
     spec = model.mtp[0].spec
     rotation = rope_angles(positions, model._inv_freq(spec.rope_theta, spec.use_yarn, positions.device))

@@ -387,25 +387,36 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
         rows = context.engram_rows[:, :, layer.spec.engram_slot]
         return layer.engram(streams, rows, context.engram_live)
 
-    def run_backbone(self, hidden: torch.Tensor, context: ForwardContext, output_hidden_states: bool = False
-                     ) -> "BackboneRun":
-        """Expand the embeddings into the hc streams and run every backbone layer (Engram, DSpark tap, block)."""
+    def _initial_streams(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The embeddings copied into the hc streams, and the one-hot collapse weights of the first block."""
         streams = hidden.unsqueeze(2).repeat(1, 1, self.config.text_config.hc_mult, 1)
         pre_mix = torch.zeros(*streams.shape[:3], dtype=torch.float64 if streams.dtype == torch.float64
                               else torch.float32, device=streams.device)
         pre_mix[..., 0] = 1.0
-        run = BackboneRun(streams, pre_mix, (streams,) if output_hidden_states else None, [], [], [],
-                          context.positions)
-        for index in range(len(self.layers)):
-            streams = self.apply_engram(index, streams, context)
+        return streams, pre_mix
+
+    def _run_layers(self, layers: range, streams: torch.Tensor, pre_mix: torch.Tensor, context: ForwardContext,
+                    run: "BackboneRun", engram_done: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Engram, DSpark tap and block of each layer in `layers`, recording into `run`."""
+        for index in layers:
+            if index != engram_done:
+                streams = self.apply_engram(index, streams, context)
             if self.layers[index].spec.is_dspark_tap:
                 run.taps.append(streams.mean(dim=2))
             streams, pre_mix, logits, experts = self.layer_step(index, streams, pre_mix, context)
             run.router_logits.append(logits)
             run.experts.append(experts)
-            if output_hidden_states:
+            if run.all_streams is not None:
                 run.all_streams += (streams,)
-        run.streams, run.pre_mix = streams, pre_mix
+        return streams, pre_mix
+
+    def run_backbone(self, hidden: torch.Tensor, context: ForwardContext, output_hidden_states: bool = False
+                     ) -> "BackboneRun":
+        """Expand the embeddings into the hc streams and run every backbone layer (Engram, DSpark tap, block)."""
+        streams, pre_mix = self._initial_streams(hidden)
+        run = BackboneRun(streams, pre_mix, (streams,) if output_hidden_states else None, [], [], [],
+                          context.positions)
+        run.streams, run.pre_mix = self._run_layers(range(len(self.layers)), streams, pre_mix, context, run)
         return run
 
     def run_backbone_bounded(self, hidden: torch.Tensor, context: ForwardContext, replay: int) -> "BackboneRun":
@@ -413,18 +424,9 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
         compressor (the decoder's pool depends on nothing else); only the last `replay` tokens run the decoder
         layers, whose windows see only the replayed segment."""
         decoder = self.plan.decoder_start
-        streams = hidden.unsqueeze(2).repeat(1, 1, self.config.text_config.hc_mult, 1)
-        pre_mix = torch.zeros(*streams.shape[:3], dtype=torch.float64 if streams.dtype == torch.float64
-                              else torch.float32, device=streams.device)
-        pre_mix[..., 0] = 1.0
+        streams, pre_mix = self._initial_streams(hidden)
         run = BackboneRun(streams, pre_mix, None, [], [], [], context.positions)
-        for index in range(decoder):
-            streams = self.apply_engram(index, streams, context)
-            if self.layers[index].spec.is_dspark_tap:
-                run.taps.append(streams.mean(dim=2))
-            streams, pre_mix, logits, experts = self.layer_step(index, streams, pre_mix, context)
-            run.router_logits.append(logits)
-            run.experts.append(experts)
+        streams, pre_mix = self._run_layers(range(decoder), streams, pre_mix, context, run)
         layer = self.layers[decoder]
         streams = self.apply_engram(decoder, streams, context)
         _, inv_freq = context.rotations[(layer.spec.rope_theta, layer.spec.use_yarn)]
@@ -433,17 +435,10 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
         tail.share.pool_ready.add(decoder)
         tail.share.window_floor = torch.where(tail.positions >= 0, tail.positions,
                                               torch.iinfo(tail.positions.dtype).max).amin(dim=1)
-        streams, pre_mix = streams[:, -replay:], pre_mix[:, -replay:]
         run.taps = [tap[:, -replay:] for tap in run.taps]
-        for index in range(decoder, len(self.layers)):
-            if index > decoder:
-                streams = self.apply_engram(index, streams, tail)
-            if self.layers[index].spec.is_dspark_tap:
-                run.taps.append(streams.mean(dim=2))
-            streams, pre_mix, logits, experts = self.layer_step(index, streams, pre_mix, tail)
-            run.router_logits.append(logits)
-            run.experts.append(experts)
-        run.streams, run.pre_mix, run.positions = streams, pre_mix, tail.positions
+        run.streams, run.pre_mix = self._run_layers(range(decoder, len(self.layers)), streams[:, -replay:],
+                                                    pre_mix[:, -replay:], tail, run, engram_done=decoder)
+        run.positions = tail.positions
         return run
 
     def embed_tokens(self, input_ids: torch.Tensor, token_types: torch.Tensor | None = None,
