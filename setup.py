@@ -20,7 +20,7 @@ setup(
         "pillow>=10",
         "numpy>=1.26",
     ],
-    extras_require={"test": ["pytest>=8"]},
+    extras_require={"test": ["pytest>=8"], "bench": ["matplotlib>=3.8"]},
     entry_points={
         "console_scripts": [
             "deepseek-v41-make-random-checkpoint=conversion_scripts.make_random_checkpoint:main",

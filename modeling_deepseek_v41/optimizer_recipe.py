@@ -105,7 +105,8 @@ class DeepseekV41Optimizer(Optimizer):
         groups = list(param_groups)
         for group in groups:
             if group.get("rule") not in (MUON, SINKHORN, ADAMW):
-                raise ValueError(f"Every param group needs rule 'muon', 'sinkhorn' or 'adamw', got {group.get('rule')!r}.")
+                raise ValueError("Every param group needs rule 'muon', 'sinkhorn' or 'adamw', "
+                                 f"got {group.get('rule')!r}.")
         super().__init__(groups, {})
 
     @torch.no_grad()
