@@ -1,8 +1,8 @@
 """The persistent prefix cache: a DeepseekV41Cache saved to disk and restored in another process.
 
 Only what the CED design keeps on SSD is stored: the packed global KV (compressed rows and index keys of every
-pool), the ratio-r carries, the Engram history and the token ids, with a format version, a model fingerprint and
-per-tensor checksums. Window KV is not stored: a restored cache rebuilds it by bounded replay of the last
+pool), the ratio-r carries and the token ids (from which the Engram history is rebuilt), with a format version, a
+model fingerprint and per-tensor checksums. Window KV is not stored: a restored cache rebuilds it by bounded replay of the last
 `sliding_window` tokens on its next forward (those tokens never rewrite the pools).
 """
 
@@ -36,6 +36,16 @@ def _checksum(tensor: torch.Tensor) -> str:
     return hashlib.sha256(tensor.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
+def compressed_history(model, tokens: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """The Engram history of saved token ids: compressed ids, dead at image-span positions and padding."""
+    from .engram_hashing import DEAD
+
+    if not hasattr(model, "engram_token_map"):
+        return torch.full_like(tokens, DEAD)
+    dead = ~real | (tokens == model.config.image_token_id)
+    return model.engram_token_map[tokens].masked_fill(dead, DEAD)
+
+
 def save_cache(cache, path: str | os.PathLike, model) -> Path:
     """Write `cache` to `path` atomically (a temporary file in the same folder, then a rename)."""
     if not cache.is_initialized or cache.columns == 0:
@@ -48,9 +58,10 @@ def save_cache(cache, path: str | os.PathLike, model) -> Path:
             f"The last {replay} tokens of the prefix include image positions; a saved prefix must end with at "
             "least sliding_window text tokens, because restoring replays them as text."
         )
+    # the Engram history is rebuilt from the token ids on restore (images and padding are dead), so per token
+    # only the id (int32) and the real-token flag are stored beside the global KV
     tensors = {
-        "tokens": cache._tokens.view(0, cache.columns).contiguous(),
-        "history": history.contiguous(),
+        "tokens": cache._tokens.view(0, cache.columns).to(torch.int32).contiguous(),
         "real": real.to(torch.uint8).contiguous(),
         "lengths": cache.lengths.contiguous(),
     }
@@ -112,9 +123,11 @@ def load_cache(path: str | os.PathLike, model, dspark: bool = False, crop_horizo
     tokens = tensors["tokens"].to(device)
     cache._allocate(tokens.shape[0], device, model.embed.weight.dtype)
     cache.columns = int(metadata["columns"])
+    real = tensors["real"].to(device).bool()
+    tokens = tokens.long()
     cache._tokens.write(0, tokens)
-    cache._history.write(0, tensors["history"].to(device))
-    cache._real.write(0, tensors["real"].to(device).bool())
+    cache._history.write(0, compressed_history(model, tokens, real))
+    cache._real.write(0, real)
     cache.lengths = tensors["lengths"].to(device)
     for source, pool in cache.pools.items():
         rows = tensors[f"pool.{source}.kv_codes"].shape[1]

@@ -14,7 +14,7 @@ from urllib.request import urlopen
 
 import numpy as np
 import torch
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, ImageOps
 from transformers.feature_extraction_utils import BatchFeature
 from transformers.image_processing_utils import BaseImageProcessor
 from transformers.processing_utils import ImagesKwargs
@@ -258,8 +258,10 @@ class DeepseekV41ImageProcessor(BaseImageProcessor):
         """Patches `[n_vit_h * n_vit_w, 3, p, p]` (bf16) and the plan of one image input."""
         try:
             image = load_rgb_image(image)
-        except (UnidentifiedImageError, OSError, ValueError) as error:
+        except Exception as error:  # any decoder failure (corrupt data can raise many types) is the input's fault
             raise ValueError(f"Could not decode the image: {error}") from error
+        if image.width == 0 or image.height == 0:
+            raise ValueError(f"The image is empty ({image.width}x{image.height} pixels); give an image with pixels.")
         plan = self.plan(image.width, image.height)
         size = (plan.best_w, plan.best_h)
         if self.max_wh_ratio is not None and image.width >= self.max_wh_ratio * image.height:

@@ -45,6 +45,16 @@ OTHER_SCHEDULES = {
 }
 
 
+# the released head and index widths and pool mix (three ratio-2 pools, one ratio-1 pool), small elsewhere
+RELEASED_WIDTHS = dict(
+    hidden_size=256, num_attention_heads=4, head_dim=512, qk_rope_head_dim=64, q_lora_rank=64, o_groups=2,
+    o_lora_rank=32, index_n_heads=2, index_head_dim=128, index_topk=16, sliding_window=128, num_hidden_layers=5,
+    compress_ratios=[2, 2, 2, 1, 1, 0], kv_source_layer_ids=[0, 1, 2, 3], index_source_layer_ids=[0, 1, 2, 3],
+    candidate_source_layer_id=3, candidate_topk_blocks=4, candidate_block_size=8, engram_layer_ids=[4],
+    dspark_target_layer_ids=[4], num_nextn_predict_layers=1, n_routed_experts=2, num_experts_per_tok=1,
+    moe_intermediate_size=32)
+
+
 def random_model(config: DeepseekV41Config | None = None, dtype: torch.dtype = torch.float64, seed: int = 0,
                  hc_scale: float = 1.0) -> DeepseekV41ForCausalLM:
     """Random weights with enough spread that attention, routing and mixing all matter."""

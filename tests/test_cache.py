@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from model_factory import OTHER_SCHEDULES, random_model, schedule_config, tiny_config
+from model_factory import OTHER_SCHEDULES, RELEASED_WIDTHS, random_model, schedule_config, tiny_config
 from modeling_deepseek_v41 import DeepseekV41Config, DeepseekV41ForCausalLM
 from modeling_deepseek_v41.cache import DeepseekV41Cache
 from reference_cases import FIXTURES, load_case, load_model
@@ -135,13 +135,7 @@ def test_cache_from_another_model_is_rejected():
 
 def test_released_width_cache_costs_890_bytes_per_token():
     """Released head and index widths with the released pool mix (three ratio-2 pools, one ratio-1 pool)."""
-    text = dict(hidden_size=256, num_attention_heads=4, head_dim=512, qk_rope_head_dim=64, q_lora_rank=64,
-                o_groups=2, o_lora_rank=32, index_n_heads=2, index_head_dim=128, index_topk=16, sliding_window=128,
-                num_hidden_layers=5, compress_ratios=[2, 2, 2, 1, 1, 0], kv_source_layer_ids=[0, 1, 2, 3],
-                index_source_layer_ids=[0, 1, 2, 3], candidate_source_layer_id=3, candidate_topk_blocks=4,
-                candidate_block_size=8, engram_layer_ids=[4], dspark_target_layer_ids=[4],
-                num_nextn_predict_layers=1, n_routed_experts=2, num_experts_per_tok=1, moe_intermediate_size=32)
-    model = random_model(schedule_config(text), dtype=torch.bfloat16, seed=7)
+    model = random_model(schedule_config(RELEASED_WIDTHS), dtype=torch.bfloat16, seed=7)
     cache = DeepseekV41Cache(model.config)
     vocab = model.config.text_config.vocab_size
     with torch.no_grad():

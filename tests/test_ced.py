@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from model_factory import random_model
+from model_factory import RELEASED_WIDTHS, random_model, schedule_config
 from modeling_deepseek_v41.cache import DeepseekV41Cache
 from modeling_deepseek_v41.hyper_connections import hc_collapse
 from reference_cases import load_case, load_model
@@ -164,3 +164,17 @@ def test_restore_errors_leave_the_file_untouched(tmp_path):
         model.generate(other, cache=DeepseekV41Cache.load(path, model), max_new_tokens=1, pad_token_id=2)
     assert path.read_bytes() == original
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".partial")] == []
+
+
+def test_bytes_on_disk_per_token_at_released_widths(tmp_path):
+    """890 bytes of packed global KV per token, plus the token id (4) and its real-token flag (1)."""
+    model = random_model(schedule_config(RELEASED_WIDTHS), dtype=torch.bfloat16, seed=7)
+    sizes = {}
+    with torch.no_grad():
+        for tokens in (200, 600):
+            cache = DeepseekV41Cache(model.config)
+            model(torch.randint(3, 500, (1, tokens)), cache=cache)
+            sizes[tokens] = cache.save(tmp_path / f"{tokens}.cache", model).stat().st_size
+    per_token = (sizes[600] - sizes[200]) / 400
+    assert abs(per_token - (890 + 4 + 1)) < 0.5  # the header's digits and alignment move a few bytes
+    assert sizes[200] - 200 * per_token < 64 * 1024  # the per-file constant: header, checksums, carries

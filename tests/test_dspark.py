@@ -178,3 +178,6 @@ def test_pipeline_with_drafting(tmp_path):
     assert model.last_generation_stats["dspark_rounds"] >= 1
     plain = pipe(text=messages, max_new_tokens=6, return_full_text=False, generate_kwargs={"do_sample": False})
     assert drafted[0]["generated_text"] == plain[0]["generated_text"]
+    text_only = [{"role": "user", "content": [{"type": "text", "text": "Name a shape."}]}]
+    answer = pipe(text=text_only, max_new_tokens=4, return_full_text=False, generate_kwargs={"do_sample": False})
+    assert isinstance(answer[0]["generated_text"], str) and model.last_generation_stats["new_tokens"] >= 1

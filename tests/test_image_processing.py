@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
@@ -93,3 +94,47 @@ def test_settings_from_hub_config(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v41", "vision_config": None}))
     with pytest.raises(ValueError, match="no vision_config"):
         DeepseekV41ImageProcessor.from_pretrained(tmp_path)
+
+
+def _encoded(width: int, height: int, fmt: str) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (width, height), (40, 160, 220)).save(buffer, format=fmt)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("size", [(1, 1), (1, 10000), (10000, 1), (3, 7)])
+def test_tiny_and_extreme_images_get_valid_plans(size):
+    processor = DeepseekV41ImageProcessor(**SETTINGS)
+    out = processor(_encoded(*size, "PNG"))
+    n_vit_h, n_vit_w, n_llm_h, n_llm_w = out["image_grids"][0].tolist()
+    assert out["pixel_values"].shape[0] == n_vit_h * n_vit_w > 0
+    assert n_llm_h * (n_llm_w + 1) + 2 <= SETTINGS["max_image_tokens"]
+    assert bool(torch.isfinite(out["pixel_values"].float()).all())
+
+
+@pytest.mark.parametrize("data", [_encoded(64, 48, "PNG")[:40], _encoded(64, 48, "JPEG")[:120],
+                                  bytes(range(256)) * 3, b""])
+def test_truncated_and_random_bytes_are_clear_errors(data):
+    with pytest.raises(ValueError, match="Image 0: Could not decode the image"):
+        DeepseekV41ImageProcessor(**SETTINGS)(data)
+
+
+def test_random_bytes_fuzz_never_crashes_deep_inside():
+    generator = np.random.default_rng(0)
+    processor = DeepseekV41ImageProcessor(**SETTINGS)
+    valid = _encoded(30, 20, "PNG")
+    for trial in range(40):
+        data = bytearray(valid)
+        for index in generator.integers(0, len(data), size=8):
+            data[index] = int(generator.integers(0, 256))
+        try:
+            out = processor(bytes(data))
+        except ValueError as error:
+            assert str(error).startswith("Image 0:")
+        else:
+            assert out["pixel_values"].shape[0] > 0
+
+
+def test_empty_image_is_a_clear_error():
+    with pytest.raises(ValueError, match="The image is empty"):
+        DeepseekV41ImageProcessor(**SETTINGS)(Image.new("RGB", (0, 0)))
