@@ -9,7 +9,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=["modeling_deepseek_v41", "processing", "conversion_scripts"],
+    packages=["modeling_deepseek_v41", "processing", "conversion_scripts", "training"],
     package_data={"processing": ["*.jinja"]},
     install_requires=[
         "torch>=2.8,<3",
@@ -20,7 +20,11 @@ setup(
         "pillow>=10",
         "numpy>=1.26",
     ],
-    extras_require={"test": ["pytest>=8"], "bench": ["matplotlib>=3.8"]},
+    extras_require={
+        "test": ["pytest>=8", "peft==0.21.2"],
+        "train": ["peft==0.21.2"],
+        "bench": ["matplotlib>=3.8"],
+    },
     entry_points={
         "console_scripts": [
             "deepseek-v41-make-random-checkpoint=conversion_scripts.make_random_checkpoint:main",

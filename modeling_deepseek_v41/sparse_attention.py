@@ -66,7 +66,10 @@ def sparse_attention(q: torch.Tensor, entries: torch.Tensor, valid: torch.Tensor
         if q.dtype == torch.bfloat16:
             probs = probs.to(torch.bfloat16).to(acc_dtype)
         out = out * rescale.unsqueeze(-1) + torch.einsum("bshk,bskd->bshd", probs, kv_block)
-    denominator = denominator + torch.exp(sink.to(acc_dtype) - running_max)
+    # a query with nothing to attend to (padding) outputs zeros; keep its sink term finite so gradients stay finite
+    empty = running_max <= -1e30
+    sink_term = torch.exp(torch.where(empty, torch.zeros_like(running_max), sink.to(acc_dtype) - running_max))
+    denominator = denominator + sink_term
     return (out / denominator.unsqueeze(-1)).to(q.dtype)
 
 

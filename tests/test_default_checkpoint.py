@@ -1,0 +1,60 @@
+"""The shipped default checkpoint (examples/default-checkpoint): it loads through the hub loader as stored, answers
+the fixed held-out picture questions, and its drafter is accepted."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+CHECKPOINT = ROOT / "examples" / "default-checkpoint"
+# measured values are in docs/fine_tuning.md and benchmarks/default_checkpoint_results.md; thresholds sit a
+# little below them
+ACCURACY_THRESHOLD = 0.30
+ACCEPTED_LENGTH_THRESHOLD = 1.15
+
+pytestmark = pytest.mark.skipif(not CHECKPOINT.exists(), reason="examples/default-checkpoint is not built")
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    from transformers import AutoModelForCausalLM, AutoProcessor
+
+    import modeling_deepseek_v41  # noqa: F401
+
+    model = AutoModelForCausalLM.from_pretrained(CHECKPOINT).eval()
+    processor = AutoProcessor.from_pretrained(CHECKPOINT)
+    return model, processor
+
+
+def test_stored_in_the_hub_layout_and_small():
+    config = json.loads((CHECKPOINT / "config.json").read_text())
+    assert "quantization_config" in config and config["vision_config"] is not None
+    text = config["text_config"]
+    assert text["num_nextn_predict_layers"] > 0 and text["engram_layer_ids"]
+    assert text["candidate_source_layer_id"] is not None and set(text["compress_ratios"]) >= {0, 1, 2}
+    size = sum(p.stat().st_size for p in CHECKPOINT.iterdir() if p.is_file())
+    assert size < 30 * 2**20
+
+
+def test_heldout_image_question_accuracy(loaded):
+    from training.evaluate import image_question_accuracy
+
+    model, processor = loaded
+    assert model.config.weight_mode == "quantized"
+    accuracy = image_question_accuracy(model, processor)
+    assert accuracy >= ACCURACY_THRESHOLD
+
+
+def test_drafter_is_accepted_and_lossless(loaded):
+    from training.evaluate import drafting_stats
+
+    model, processor = loaded
+    stats = drafting_stats(model, processor, max_new_tokens=24, n_text=3, n_images=2)
+    assert stats["text"]["same_tokens"] and stats["image"]["same_tokens"]
+    assert stats["text"]["mean_accepted_length"] >= ACCEPTED_LENGTH_THRESHOLD
