@@ -1,12 +1,10 @@
-"""The project's main job: answer a question about an image with DeepSeek-V4.1 through
-pipeline("image-text-to-text"), with DSpark drafting on, and print the answer and measured stats.
+"""The demo on a RANDOM-WEIGHT checkpoint: the same pipeline("image-text-to-text") call with DSpark drafting as
+examples/demo.py, on a small checkpoint this script writes in the hub layout (examples/random-checkpoint).
 
-    python examples/demo.py [--checkpoint DIR] [--max-new-tokens N]
+    python examples/demo_random_weights.py [--checkpoint DIR] [--max-new-tokens N]
 
-Until the trained embedded default checkpoint exists, this writes a small RANDOM-WEIGHT checkpoint in the hub
-layout (examples/random-checkpoint, made by conversion_scripts.make_random_checkpoint) and loads it through the
-real hub loader: every mechanism runs (CSA2 pools, Engram, mHC, MoE, vision, DSpark, the packed cache), but the
-answer is noise because the weights are random.
+Every mechanism runs (CSA2 pools, Engram, mHC, MoE, vision, DSpark, the packed cache) through the real hub loader,
+but the answer is noise because the weights are random. Useful with `--checkpoint` for any hub-layout folder.
 """
 
 from __future__ import annotations
