@@ -103,6 +103,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/deepseek-v41-conversion-bench"))
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints afterwards")
+    parser.add_argument("--engram-vocab-size", type=int, default=BENCH_TEXT_CONFIG["engram_vocab_size"],
+                        help="scales the two Engram tables (3000000 gives a checkpoint of about 2.7 GB)")
     parser.add_argument("--results", type=Path, default=None, help="also write a markdown report here")
     args = parser.parse_args()
     from conversion_scripts.make_random_checkpoint import make_random_checkpoint
@@ -111,7 +113,8 @@ def main() -> None:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     start = time.perf_counter()
-    hub = make_random_checkpoint(work / "hub", BENCH_TEXT_CONFIG, preset="small", max_shard_size=BENCH_SHARD_SIZE)
+    text_config = {**BENCH_TEXT_CONFIG, "engram_vocab_size": args.engram_vocab_size}
+    hub = make_random_checkpoint(work / "hub", text_config, preset="small", max_shard_size=BENCH_SHARD_SIZE)
     build_seconds = time.perf_counter() - start
     python = sys.executable
     runs = [
@@ -145,6 +148,7 @@ def main() -> None:
               "quantized round trip bit-identical": bit_identical(work / "hub", work / "hub_from_quantized")}
     report = {"date": datetime.date.today().isoformat(), "machine": machine(), "python": platform.python_version(),
               "build_seconds": round(build_seconds, 1), "import_only_rss_mb": round(baseline / 2**20),
+              "text_config": text_config,
               "hub_checkpoint": folder_stats(hub), "runs": rows, "checks": checks,
               "own_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}
     print(json.dumps(report, indent=2))
@@ -159,11 +163,11 @@ def render_markdown(report: dict) -> str:
     lines = [
         "# Conversion benchmark results",
         "",
-        "Produced by `PYTHONPATH=. python benchmarks/conversion.py --results benchmarks/conversion_results.md`.",
+        "Produced by `PYTHONPATH=. python benchmarks/conversion.py` with the options recorded below.",
         "",
         f"- date: {report['date']}",
         f"- machine: {report['machine']}, Python {report['python']}",
-        f"- synthetic hub checkpoint: `make_random_checkpoint` preset `small` with {BENCH_TEXT_CONFIG}, "
+        f"- synthetic hub checkpoint: `make_random_checkpoint` preset `small` with {report['text_config']}, "
         f"max shard size {BENCH_SHARD_SIZE}: {hub['total_bytes'] / 2**20:.0f} MiB in {hub['shards']} shards, "
         f"largest shard {hub['largest_shard_bytes'] / 2**20:.0f} MiB (built in {report['build_seconds']} s)",
         f"- RSS of a process that only imports the converters (Python + torch + transformers): "
