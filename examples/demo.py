@@ -31,6 +31,26 @@ def demo_image():
     return draw_shape(ShapeSample("circle", "red", (63.0, 63.0), 36.0, 0.0, (255, 255, 255)))
 
 
+def ask(checkpoint: Path, image, question: str, max_new_tokens: int) -> tuple[str, dict]:
+    """Load a hub-layout checkpoint, answer `question` about `image` through the pipeline with DSpark drafting,
+    and return the answer with the model's measured generation stats."""
+    model = AutoModelForCausalLM.from_pretrained(checkpoint)
+    processor = AutoProcessor.from_pretrained(checkpoint)
+    pipe = pipeline("image-text-to-text", model=model, processor=processor)
+    messages = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": question}]}]
+    result = pipe(text=messages, max_new_tokens=max_new_tokens, return_full_text=False,
+                  generate_kwargs={"use_dspark": True, "do_sample": False})
+    return result[0]["generated_text"], model.last_generation_stats
+
+
+def print_answer(question: str, answer: str, stats: dict) -> None:
+    print(f"question: {question}")
+    print(f"answer:   {answer!r}")
+    print(f"tokens/s: {stats['tokens_per_second']:.1f} ({stats['new_tokens']} tokens in {stats['seconds']:.2f} s, CPU)")
+    print(f"DSpark mean accepted length: {stats['dspark_mean_accepted_length']:.2f} tokens per verification")
+    print(f"cache: {stats['cache_global_bytes_per_token']:.0f} bytes of global KV per token")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
@@ -38,25 +58,13 @@ def main() -> None:
     args = parser.parse_args()
     if not args.checkpoint.exists():
         raise SystemExit(f"{args.checkpoint} is missing: run `python examples/build_default.py` to rebuild it.")
-    model = AutoModelForCausalLM.from_pretrained(args.checkpoint)
-    processor = AutoProcessor.from_pretrained(args.checkpoint)
-    pipe = pipeline("image-text-to-text", model=model, processor=processor)
-    messages = [{"role": "user", "content": [{"type": "image", "image": demo_image()},
-                                             {"type": "text", "text": MAIN_QUESTION}]}]
-    result = pipe(text=messages, max_new_tokens=args.max_new_tokens, return_full_text=False,
-                  generate_kwargs={"use_dspark": True, "do_sample": False})
-    stats = model.last_generation_stats
+    answer, stats = ask(args.checkpoint, demo_image(), MAIN_QUESTION, args.max_new_tokens)
     report = args.checkpoint / "training_report.json"
     if report.exists():  # say how good the small default is, so its answer is read for what it is
         accuracy = json.loads(report.read_text())["evaluation"]["heldout_accuracy"]
         print(f"NOTE: this small trained default answers {accuracy:.0%} of held-out picture questions correctly "
               "(colours mostly right, shapes often wrong).")
-    print(f"question: {MAIN_QUESTION}")
-    print(f"answer:   {result[0]['generated_text']!r}")
-    print(f"tokens/s: {stats['tokens_per_second']:.1f} ({stats['new_tokens']} tokens in {stats['seconds']:.2f} s, CPU)")
-    print(f"DSpark mean accepted length: {stats['dspark_mean_accepted_length']:.2f} tokens per verification")
-    print(f"cache: {stats['cache_global_bytes_per_token']:.0f} bytes of global KV per token")
-
+    print_answer(MAIN_QUESTION, answer, stats)
 
 if __name__ == "__main__":
     main()

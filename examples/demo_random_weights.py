@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT))
 
 import modeling_deepseek_v41  # noqa: E402,F401  (registers the model and processor with the Auto classes)
 from conversion_scripts.make_random_checkpoint import make_random_checkpoint  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoProcessor, pipeline  # noqa: E402
+from demo import ask, print_answer  # noqa: E402  (the main demo beside this file)
 
 DEFAULT_CHECKPOINT = ROOT / "examples" / "random-checkpoint"
 QUESTION = "What shape is in the picture, and what colour is it?"
@@ -42,22 +42,10 @@ def main() -> None:
     random_weights = args.checkpoint == DEFAULT_CHECKPOINT
     if random_weights and not args.checkpoint.exists():
         make_random_checkpoint(args.checkpoint, preset="small", vision=True, seed=0)
-    model = AutoModelForCausalLM.from_pretrained(args.checkpoint)
-    processor = AutoProcessor.from_pretrained(args.checkpoint)
-    pipe = pipeline("image-text-to-text", model=model, processor=processor)
-    messages = [{"role": "user", "content": [{"type": "image", "image": demo_image()},
-                                             {"type": "text", "text": QUESTION}]}]
-    result = pipe(text=messages, max_new_tokens=args.max_new_tokens, return_full_text=False,
-                  generate_kwargs={"use_dspark": True, "do_sample": False})
-    stats = model.last_generation_stats
+    answer, stats = ask(args.checkpoint, demo_image(), QUESTION, args.max_new_tokens)
     if random_weights:
-        print("NOTE: these weights are RANDOM (no trained checkpoint yet): the answer below is noise.")
-    print(f"question: {QUESTION}")
-    print(f"answer:   {result[0]['generated_text']!r}")
-    print(f"tokens/s: {stats['tokens_per_second']:.1f} ({stats['new_tokens']} tokens in {stats['seconds']:.2f} s, CPU)")
-    print(f"DSpark mean accepted length: {stats['dspark_mean_accepted_length']:.2f} tokens per verification")
-    print(f"cache: {stats['cache_global_bytes_per_token']:.0f} bytes of global KV per token")
-
+        print("NOTE: these weights are RANDOM: the answer below is noise.")
+    print_answer(QUESTION, answer, stats)
 
 if __name__ == "__main__":
     main()

@@ -27,15 +27,6 @@ class _Pool:
         self.recent_kv = torch.zeros(shape, dtype=compute_dtype, device=device)
         self.recent_score = torch.full(shape, -torch.inf, dtype=compute_dtype, device=device)
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        out = {"kv_codes": self.kv.codes, "kv_scales": self.kv.scales, "key_codes": self.keys.codes,
-               "key_scales": self.keys.scales}
-        if self.ratio > 1:
-            out.update(recent_kv=self.recent_kv, recent_score=self.recent_score)
-            if self.carry is not None:
-                out.update(carry_kv=self.carry[0], carry_score=self.carry[1])
-        return out
-
 
 class _Columns:
     """A [B, columns] record that grows by doubling its capacity (no per-step copy of the whole history)."""

@@ -7,6 +7,7 @@ positions (image spans, padding).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -92,6 +93,7 @@ class EngramHashLayout:
             multipliers.append(tuple(int(v) * 2 + 1 for v in draws))  # odd
         return cls(tuple(config.engram_layer_ids), tuple(primes), tuple(multipliers), config.engram_max_ngram_size)
 
+    @functools.cached_property
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(primes [L, n-1, heads], offsets [L, (n-1)*heads], multipliers [L, n]) as int64 tensors."""
         primes = torch.tensor(self.primes, dtype=torch.int64)

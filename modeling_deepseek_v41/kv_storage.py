@@ -100,6 +100,3 @@ class PackedRows:
     def select_batch(self, index: torch.Tensor) -> None:
         self.codes = self.codes.index_select(0, index)
         self.scales = self.scales.index_select(0, index)
-
-    def state(self) -> dict[str, torch.Tensor]:
-        return {"codes": self.codes, "scales": self.scales}

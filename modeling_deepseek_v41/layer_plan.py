@@ -66,8 +66,6 @@ class LayerPlan:
         """The first decoder layer of the CED split: the last pool owner, whose pool every later layer reads."""
         return self.kv_sources[-1] if self.kv_sources else None
 
-    def pool_ratio(self, source: int) -> int:
-        return self.layers[source].ratio
 
     @classmethod
     def from_config(cls, config: Any) -> "LayerPlan":

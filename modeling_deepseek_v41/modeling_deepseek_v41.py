@@ -338,7 +338,7 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
         history = cache.append_history(compressed, replayed) if cache is not None else compressed
         pad = int(token_map[text.engram_pad_token_id])
         shifted = ngram_window(history, pad, text.engram_max_ngram_size, input_ids.shape[1])
-        primes, offsets, multipliers = (t.to(input_ids.device) for t in self.engram_layout.tensors())
+        primes, offsets, multipliers = (t.to(input_ids.device) for t in self.engram_layout.tensors)  # built once per model
         return engram_hash_ids(shifted, primes, offsets, multipliers)
 
     def prepare_context(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
