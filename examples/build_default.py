@@ -28,6 +28,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
     defaults = BuildSettings()
     parser.add_argument("--backbone-steps", type=int, default=defaults.backbone_steps)
+    parser.add_argument("--vision-warmup-steps", type=int, default=defaults.vision_warmup_steps,
+                        help="steps of the ViT/aligner shape-and-colour warm-up (0 skips it)")
     parser.add_argument("--drafter-steps", type=int, default=defaults.drafter_steps)
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--text-every", type=int, default=defaults.text_every,
@@ -39,7 +41,8 @@ def main() -> int:
     if args.out.exists():
         print(f"error: {args.out} exists; remove it first to rebuild", file=sys.stderr)
         return 4
-    settings = BuildSettings(seed=args.seed, backbone_steps=args.backbone_steps, drafter_steps=args.drafter_steps,
+    settings = BuildSettings(seed=args.seed, vision_warmup_steps=args.vision_warmup_steps,
+                             backbone_steps=args.backbone_steps, drafter_steps=args.drafter_steps,
                              threads=args.threads, text_every=args.text_every,
                              main_question_share=args.main_question_share)
     report = build_default(args.out, settings)
@@ -48,8 +51,9 @@ def main() -> int:
 
         report["evaluation"] = evaluate_checkpoint(args.out)
         print(json.dumps(report["evaluation"], indent=2))
-    for stage in ("backbone", "drafter"):
-        report[stage]["log"] = [entry for entry in report[stage]["log"] if "loss" in entry]
+    for stage in ("vision", "backbone", "drafter"):
+        if stage in report:
+            report[stage]["log"] = [entry for entry in report[stage]["log"] if "loss" in entry]
     (args.out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
     return 0
 

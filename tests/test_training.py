@@ -224,3 +224,26 @@ def test_trainer_runs_on_text_and_images(tmp_path):
                                  data_collator=DeepseekV41TrainingCollator(processor), moe_aux_loss_coef=1e-2)
     result = trainer.train()
     assert result.global_step == 2 and result.training_loss > 0
+
+
+def test_vision_warmup_trains_the_models_own_tower(tmp_path):
+    from transformers import TrainingArguments
+
+    from training.vision_warmup import ShapeLabelCollator, ShapeLabelDataset, VisionClassifier, \
+        image_tokens_per_picture, warm_up_vision
+
+    processor = _processor()
+    model = random_model(tiny_config(vision=True), dtype=torch.float32).train()
+    tokens = image_tokens_per_picture(processor.image_processor)
+    classifier = VisionClassifier(model.vision, model.aligner, tokens, model.config.text_config.hidden_size)
+    assert classifier.tower is model.vision and classifier.aligner is model.aligner
+    batch = ShapeLabelCollator(processor.image_processor)([ShapeLabelDataset(8, seed=0)[i] for i in range(8)])
+    assert batch["image_grids"][:, 2:].prod(-1).eq(tokens).all()
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4, use_cpu=True,
+                             report_to="none", save_strategy="no", remove_unused_columns=False,
+                             learning_rate=1e-3, disable_tqdm=True)
+    report = warm_up_vision(model, processor.image_processor, args, seed=0, heldout=8)
+    moved = {name for name, p in model.named_parameters() if not torch.equal(p, before[name])}
+    assert moved and all(name.startswith(("vision.", "aligner.")) for name in moved)
+    assert set(report["heldout_accuracy"]) == {"shape", "colour"} and report["train_loss"] > 0

@@ -3,11 +3,13 @@ candidates, Engram, mHC, MoE, vision, DSpark) trained from scratch on offline da
 
 Stages (fixed seeds, CPU):
 1. tokenizer: the project's byte-level BPE trained on Python's own documentation text plus the question/answer
-   phrases; config: `conversion_scripts.presets` "small" text and vision shapes.
-2. backbone: `DeepseekV41Trainer` (causal-LM loss, MoE balance loss) on picture questions about drawn coloured
+   phrases; config: `conversion_scripts.presets` "tiny" text and "small" vision shapes.
+2. vision warm-up: the ViT and aligner learn to classify the pictures' shape and colour (`training.vision_warmup`,
+   a throw-away linear classifier), so the picture tokens carry the shape before the language model reads them.
+3. backbone: `DeepseekV41Trainer` (causal-LM loss, MoE balance loss) on picture questions about drawn coloured
    shapes mixed with Python documentation text; the drafter is not trained here.
-3. drafter: `DSparkDrafterTrainer` trains `mtp.*` only, backbone frozen, with the DSpark objective.
-4. export: `save_pretrained` (bf16 native layout) then `conversion_scripts.convert_native_to_hub` (FP8/FP4 hub
+4. drafter: `DSparkDrafterTrainer` trains `mtp.*` only, backbone frozen, with the DSpark objective.
+5. export: `save_pretrained` (bf16 native layout) then `conversion_scripts.convert_native_to_hub` (FP8/FP4 hub
    layout), so the default loads through the real hub loader; accuracy is then measured on the quantized model.
 """
 
@@ -30,6 +32,10 @@ import torch
 class BuildSettings:
     seed: int = 0
     preset: str = "tiny"
+    vision_warmup_steps: int = 1500
+    vision_warmup_batch: int = 16
+    vision_warmup_lr: float = 4e-3
+    freeze_vision_tower: bool = True  # the backbone stage keeps the warmed-up ViT as it is (the aligner trains)
     backbone_steps: int = 700
     backbone_batch: int = 16
     backbone_lr: float = 2e-3
@@ -87,6 +93,14 @@ def training_arguments(out: Path, steps: int, batch: int, lr: float, seed: int, 
     )
 
 
+def train_vision(model, processor, settings: BuildSettings, work: Path) -> dict:
+    from .vision_warmup import warm_up_vision
+
+    args = training_arguments(work / "vision", settings.vision_warmup_steps, settings.vision_warmup_batch,
+                              settings.vision_warmup_lr, settings.seed, warmup=50)
+    return warm_up_vision(model, processor.image_processor, args, seed=settings.seed + 3)
+
+
 def train_backbone(model, processor, settings: BuildSettings, work: Path) -> dict:
     from .collator import DeepseekV41TrainingCollator
     from .data import text_examples
@@ -94,6 +108,8 @@ def train_backbone(model, processor, settings: BuildSettings, work: Path) -> dic
     from .lm import DeepseekV41Trainer
 
     texts = text_examples(processor.tokenizer, settings.text_length)
+    if settings.freeze_vision_tower and settings.vision_warmup_steps:
+        model.vision.requires_grad_(False)
     qa = ShapeQADataset(settings.backbone_steps * settings.backbone_batch, seed=settings.seed + 1,
                         main_question_share=settings.main_question_share)
     trainer = DeepseekV41Trainer(
@@ -103,6 +119,7 @@ def train_backbone(model, processor, settings: BuildSettings, work: Path) -> dic
         moe_aux_loss_coef=settings.moe_aux_loss_coef,
     )
     result = trainer.train()
+    model.vision.requires_grad_(True)
     return {"train_loss": result.training_loss, "log": trainer.state.log_history}
 
 
@@ -168,6 +185,12 @@ def build_default(out_dir: str | Path, settings: BuildSettings | None = None, lo
         model.build_engram_token_map(processor.tokenizer)
         dtypes = {name: param.dtype for name, param in model.named_parameters()}
         model = model.float()  # fp32 training on CPU; stored dtypes are restored at export
+        t0 = time.perf_counter()
+        if settings.vision_warmup_steps:
+            report["vision"] = train_vision(model.train(), processor, settings, work)
+            report["vision"]["seconds"] = time.perf_counter() - t0
+            log(f"vision warm-up in {report['vision']['seconds']:.0f} s, held-out classifier accuracy "
+                f"{report['vision']['heldout_accuracy']}")
         t0 = time.perf_counter()
         report["backbone"] = train_backbone(model.train(), processor, settings, work)
         report["backbone"]["seconds"] = time.perf_counter() - t0
