@@ -35,10 +35,11 @@ def hub_storage_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
 
 def expected_tensors(config, hub_layout: bool = True) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """name -> (shape, stored dtype) for a model of `config`, built on the meta device (no memory)."""
+    from .configuration_deepseek_v41 import config_with_device_engram
     from .modeling_deepseek_v41 import DeepseekV41ForCausalLM
 
     with torch.device("meta"):
-        model = DeepseekV41ForCausalLM(config)
+        model = DeepseekV41ForCausalLM(config_with_device_engram(config))  # host/mmap tables are stored too
     expected = {}
     for name, tensor in model.state_dict().items():
         if hub_layout and name in NOT_IN_HUB_CHECKPOINT:

@@ -10,6 +10,14 @@ from transformers import PreTrainedConfig
 from .layer_plan import LayerPlan
 
 WEIGHT_MODES = ("quantized", "bf16")
+ENGRAM_STORAGES = ("device", "host", "mmap")  # where the Engram tables live (see engram_storage.py)
+
+
+def check_engram_storage(storage: str) -> str:
+    """A valid Engram table placement, or a clear error naming the choices."""
+    if storage not in ENGRAM_STORAGES:
+        raise ValueError(f"engram_storage must be one of {ENGRAM_STORAGES}, got {storage!r}.")
+    return storage
 
 
 class DeepseekV41TextConfig(PreTrainedConfig):
@@ -71,6 +79,7 @@ class DeepseekV41TextConfig(PreTrainedConfig):
         engram_head_dim: int = 256,
         engram_pad_token_id: int = 2,
         engram_compressed_vocab_size: int = 99092,
+        engram_storage: str = "device",
         num_nextn_predict_layers: int = 3,
         dspark_block_size: int = 5,
         dspark_noise_token_id: int = 128799,
@@ -145,6 +154,7 @@ class DeepseekV41TextConfig(PreTrainedConfig):
         self.engram_head_dim = engram_head_dim
         self.engram_pad_token_id = engram_pad_token_id
         self.engram_compressed_vocab_size = engram_compressed_vocab_size
+        self.engram_storage = check_engram_storage(engram_storage)
         self.num_nextn_predict_layers = num_nextn_predict_layers
         self.dspark_block_size = dspark_block_size
         self.dspark_noise_token_id = dspark_noise_token_id
@@ -230,6 +240,23 @@ class DeepseekV41Config(PreTrainedConfig):
     model_type = "deepseek_v41"
     sub_configs = {"text_config": DeepseekV41TextConfig, "vision_config": DeepseekV41VisionConfig}
     keys_to_ignore_at_inference = ["past_key_values"]
+    # tensor parallelism (`from_pretrained(..., tp_plan="auto")` under torchrun); the styles are DeepSeek-V4.1's
+    # own (tensor_parallel.py): attention heads by o_groups with the grouped output gathered, routed experts
+    # sliced across ranks, Engram table rows and head vocabulary rows split; everything else replicated
+    base_model_tp_plan = {
+        "layers.*.attn": "deepseek_v41_local_heads",
+        "layers.*.attn.wq_b": "deepseek_v41_shard_rows",
+        "layers.*.attn.wo_a": "deepseek_v41_shard_rows",
+        "layers.*.attn.wo_b": "deepseek_v41_gather_input",
+        "layers.*.ffn": "deepseek_v41_expert_slices",
+        "layers.*.engram.embed": "deepseek_v41_table_rows",
+        "mtp.*.attn": "deepseek_v41_local_heads",
+        "mtp.*.attn.wq_b": "deepseek_v41_shard_rows",
+        "mtp.*.attn.wo_a": "deepseek_v41_shard_rows",
+        "mtp.*.attn.wo_b": "deepseek_v41_gather_input",
+        "mtp.*.ffn": "deepseek_v41_expert_slices",
+        "head": "deepseek_v41_vocab_rows",
+    }
 
     def __init__(
         self,
@@ -265,9 +292,22 @@ class DeepseekV41Config(PreTrainedConfig):
         kwargs.setdefault("eos_token_id", self.text_config.eos_token_id)
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
 
+    @property
+    def engram_storage(self) -> str:
+        """Where the Engram tables live: "device" (parameters, the default), "host" (host memory, pinned when CUDA
+        is present) or "mmap" (memory-mapped from the checkpoint file). A placement choice like `device_map`, so
+        it is not written to config.json; pass it to `from_pretrained(..., engram_storage="mmap")`."""
+        return self.text_config.engram_storage
+
+    @engram_storage.setter
+    def engram_storage(self, storage: str) -> None:
+        self.text_config.engram_storage = check_engram_storage(storage)
+
     def to_dict(self) -> dict[str, Any]:
         output = super().to_dict()
         output.pop("checkpoint_quantization", None)
+        if isinstance(output.get("text_config"), dict):
+            output["text_config"].pop("engram_storage", None)
         if self.checkpoint_quantization is not None:
             output["quantization_config"] = dict(self.checkpoint_quantization)
         return output
@@ -287,3 +327,12 @@ def config_without_dspark(config: DeepseekV41Config) -> DeepseekV41Config:
     text.compress_ratios = list(text.compress_ratios[: text.num_hidden_layers])
     text.num_nextn_predict_layers = 0
     return trimmed
+
+
+def config_with_device_engram(config: DeepseekV41Config) -> DeepseekV41Config:
+    """`config` with its Engram tables as parameters (what the checkpoint stores, whatever the placement)."""
+    if config.text_config.engram_storage == "device":
+        return config
+    device = copy.deepcopy(config)
+    device.engram_storage = "device"
+    return device

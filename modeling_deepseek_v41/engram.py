@@ -9,6 +9,13 @@ from .numerics import WEIGHT_BLOCK, compute_dtype, weight_dtype
 from .quantized_linear import DeepseekV41Linear
 
 
+def looked_up_rows(rows: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+    """Table rows as the Engram layer uses them: FP8 rows dequantized exactly (to bf16), dense rows as stored."""
+    if scales is None:
+        return rows
+    return (rows.float().unflatten(-1, (-1, WEIGHT_BLOCK)) * scales.float().unsqueeze(-1)).flatten(-2).to(torch.bfloat16)
+
+
 class DeepseekV41EngramTable(nn.Module):
     """The FP8 n-gram table [rows, head_dim] with E8M0 scales per 32 columns; rows are dequantized on lookup."""
 
@@ -24,11 +31,7 @@ class DeepseekV41EngramTable(nn.Module):
             self.register_parameter("scale", None)
 
     def forward(self, row_ids: torch.Tensor) -> torch.Tensor:
-        rows = self.weight[row_ids]
-        if not self.quantized:
-            return rows
-        scales = self.scale[row_ids].float().unsqueeze(-1)
-        return (rows.float().unflatten(-1, (-1, WEIGHT_BLOCK)) * scales).flatten(-2).to(torch.bfloat16)
+        return looked_up_rows(self.weight[row_ids], self.scale[row_ids] if self.quantized else None)
 
     @torch.no_grad()
     def dequantize_(self, dtype: torch.dtype = torch.bfloat16) -> None:
@@ -39,6 +42,53 @@ class DeepseekV41EngramTable(nn.Module):
         self.weight = nn.Parameter(dense.to(dtype))
         self.register_parameter("scale", None)
         self.quantized = False
+
+
+class DeepseekV41ExternalEngramTable(nn.Module):
+    """An Engram table kept off the compute device (`engram_storage="host"` or `"mmap"`): it holds no parameters;
+    `from_pretrained` attaches the checkpoint's table (`ExternalTable`) after loading the rest. Only looked-up rows
+    reach the compute device, and the forward usually finds them already gathered (`prefetch_engram_rows`)."""
+
+    def __init__(self, rows: int, head_dim: int, quantized: bool, storage: str) -> None:
+        super().__init__()
+        self.rows, self.head_dim, self.quantized, self.storage = rows, head_dim, quantized, storage
+        self.external = None  # an engram_storage.ExternalTable once attached
+        self.pending = None  # an engram_storage.PendingRows started before the layers ran
+        self.prefetch_hits = 0  # lookups served by the early gather (inspection, tests)
+
+    def attach(self, external) -> None:
+        if tuple(external.weight.shape) != (self.rows, self.head_dim):
+            raise ValueError(f"Engram table of shape {list(external.weight.shape)} does not match the config's "
+                             f"[{self.rows}, {self.head_dim}].")
+        self.external = external
+
+    def forward(self, row_ids: torch.Tensor) -> torch.Tensor:
+        if self.external is None:
+            raise RuntimeError(
+                f"This Engram table is stored off the device (engram_storage={self.storage!r}) and has not been "
+                "attached: load the model with from_pretrained(..., engram_storage=...) from a checkpoint folder."
+            )
+        from .engram_storage import finish
+
+        pending, self.pending = self.pending, None
+        if pending is not None and _is_slot_view(row_ids, pending.source, pending.slot):
+            self.prefetch_hits += 1
+            weight, scale = finish(pending.result.result())
+            weight = weight.to(row_ids.device)
+            scale = None if scale is None else scale.to(row_ids.device)
+        else:
+            weight, scale = finish(self.external.gather(row_ids, row_ids.device))
+        return looked_up_rows(weight, scale if self.quantized else None)
+
+    def extra_repr(self) -> str:
+        return f"rows={self.rows}, head_dim={self.head_dim}, storage={self.storage}"
+
+
+def _is_slot_view(row_ids: torch.Tensor, source: torch.Tensor, slot: int) -> bool:
+    """Whether `row_ids` is exactly `source[:, :, slot]` (the same memory, so the same ids)."""
+    view = source[:, :, slot]
+    return (row_ids.device == view.device and row_ids.data_ptr() == view.data_ptr()
+            and row_ids.shape == view.shape and row_ids.stride() == view.stride())
 
 
 class DeepseekV41Engram(nn.Module):
@@ -53,7 +103,11 @@ class DeepseekV41Engram(nn.Module):
         self.hc_mult = config.hc_mult
         self.eps = config.rms_norm_eps
         n_columns = (config.engram_max_ngram_size - 1) * config.engram_n_heads
-        self.embed = DeepseekV41EngramTable(rows, config.engram_head_dim, quantized)
+        storage = getattr(config, "engram_storage", "device")
+        if storage == "device":
+            self.embed = DeepseekV41EngramTable(rows, config.engram_head_dim, quantized)
+        else:
+            self.embed = DeepseekV41ExternalEngramTable(rows, config.engram_head_dim, quantized, storage)
         self.wkv = DeepseekV41Linear(n_columns * config.engram_head_dim, config.hidden_size * (config.hc_mult + 1),
                                      storage="fp8" if quantized else "dense")
         self.q_weight = nn.Parameter(torch.ones(config.hc_mult, config.hidden_size, dtype=weight_dtype(torch.bfloat16)))
