@@ -26,6 +26,8 @@ from .forward_share import ForwardShare
 from .hyper_connections import hc_collapse
 from .layer_plan import LayerPlan
 from .loading import compressed_token_map, dequantize_module_weights, load_tokenizer_for_token_map
+from .engram_storage import prefetch_engram_rows
+from .placement import DeepseekV41PlacementMixin
 from .norms import DeepseekV41RMSNorm
 from .numerics import quantize_fp4_weight, quantize_fp8_weight, weight_dtype
 from .quantized_linear import STORAGE_FP4, STORAGE_FP8, DeepseekV41Linear
@@ -84,7 +86,7 @@ class BackboneRun:
     positions: torch.Tensor  # [B, T] positions of the tokens the last layers ran on (the taps' positions)
 
 
-class DeepseekV41PreTrainedModel(PreTrainedModel):
+class DeepseekV41PreTrainedModel(DeepseekV41PlacementMixin, PreTrainedModel):
     """Weight initialisation and the transformers integration shared by the DeepSeek-V4.1 models."""
 
     config_class = DeepseekV41Config
@@ -365,6 +367,8 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
             inv_freq = self._inv_freq(theta, yarn, device)
             rotations[(theta, yarn)] = (rope_angles(positions.clamp_min(0), inv_freq), inv_freq)
         engram_rows = self.engram_rows(input_ids, dead, cache, replayed) if self.plan.engram_layers else None
+        if engram_rows is not None:  # host/mmap tables: start gathering their rows before the first layer
+            prefetch_engram_rows(self, engram_rows)
         if cache is not None and not self.plan.engram_layers:
             cache.append_history(torch.full_like(input_ids, DEAD), replayed)
         return ForwardContext(
