@@ -137,9 +137,15 @@ def return_to_input_device(model: nn.Module, units: Iterable[str] | None = None)
     """Make the accelerate hook of every spread unit hand its output back on the device its input came from."""
     modules = dict(model.named_modules())
     for unit in units if units is not None else spread_units(model):
-        hook = getattr(modules[unit], "_hf_hook", None)
-        if hook is not None and hasattr(hook, "io_same_device"):
-            hook.io_same_device = True
+        for hook in _hooks(modules[unit]):
+            if hasattr(hook, "io_same_device"):
+                hook.io_same_device = True
+
+
+def _hooks(module: nn.Module) -> list:
+    """accelerate's hooks on a module (one, or the chain of a SequentialHook)."""
+    hook = getattr(module, "_hf_hook", None)
+    return [] if hook is None else list(getattr(hook, "hooks", [hook]))
 
 
 def preload_submodules(model: nn.Module) -> None:
@@ -149,6 +155,7 @@ def preload_submodules(model: nn.Module) -> None:
     from .attention import DeepseekV41Attention
 
     for module in model.modules():
-        hook = getattr(module, "_hf_hook", None)
-        if isinstance(module, DeepseekV41Attention) and getattr(hook, "offload", False):
-            hook.place_submodules = True
+        if isinstance(module, DeepseekV41Attention):
+            for hook in _hooks(module):
+                if getattr(hook, "offload", False):
+                    hook.place_submodules = True
