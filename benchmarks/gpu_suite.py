@@ -160,7 +160,8 @@ def intree_v4_decode(device: str, context: int, quick: bool) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
-    parser.add_argument("--prefill", type=int, nargs="+", default=[4096, 16384])
+    parser.add_argument("--prefill", type=int, nargs="*", default=[4096, 16384])
+    parser.add_argument("--no-baseline", action="store_true", help="skip the in-tree V4 baseline")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, to check the script on a CPU")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -168,15 +169,24 @@ def main() -> None:
     print(f"device {name}, torch {torch.__version__}", flush=True)
     config = medium_config(args.quick)
     model = build_model(config, device)
-    print("== in-tree DeepseekV4ForCausalLM baseline", flush=True)
-    try:
-        print(json.dumps({"baseline": intree_v4_decode(device, min(args.contexts), args.quick)}), flush=True)
-    except Exception as error:  # the baseline is reported, not required for the rest
-        print(json.dumps({"baseline_error": f"{type(error).__name__}: {error}"}), flush=True)
+    if not args.no_baseline:
+        print("== in-tree DeepseekV4ForCausalLM baseline", flush=True)
+        try:
+            print(json.dumps({"baseline": intree_v4_decode(device, min(args.contexts), args.quick)}), flush=True)
+        except Exception as error:  # the baseline is reported, not required for the rest
+            print(json.dumps({"baseline_error": f"{type(error).__name__}: {error}"}), flush=True)
     print("== prefill", flush=True)
     prefill_table(model, device, args.prefill)
     print("== decode", flush=True)
     decode_table(model, device, args.contexts, chunk=4096 if not args.quick else 256)
+    print(json.dumps({"compile_counters": compile_counters()}), flush=True)
+
+
+def compile_counters() -> dict:
+    """What torch.compile did for the fused accelerator regions: graphs, recompilations, graph breaks."""
+    from torch._dynamo.utils import counters
+
+    return {group: dict(counters[group]) for group in ("stats", "recompiles", "graph_break") if counters[group]}
 
 
 if __name__ == "__main__":

@@ -83,7 +83,8 @@ class DeepseekV41Attention(nn.Module):
             return
         if cache is not None:  # tokens whose rows are already pooled (a replay) are not compressed again
             positions = cache.pool_positions(positions)
-        out = self.compressor(x, positions, cache.carry(source) if cache is not None else None)
+        out = self.compressor(x, positions, cache.carry(source) if cache is not None else None,
+                              fixed_shapes=cache is not None)
         rotation = rope_angles(out.rows.clamp_min(0) * spec.ratio, inv_freq)
         keys, key_codes = self.indexer.keys(out.latents, rotation)
         rotated = apply_rope_tail(out.latents, rotation, self.rope_dim)
@@ -92,7 +93,7 @@ class DeepseekV41Attention(nn.Module):
             share.index_keys[source] = keys
             share.pool_kv[source] = straight_through(rotated, fp4_dequantize_rows(codes, scales, rotated.dtype))
             return
-        total = max(cache.pool_rows(source), int(out.rows.amax()) + 1 if out.rows.numel() else 0)
+        total = cache.pool_rows_after_chunk(source)
         cache.write_pool(source, out.rows, (codes, scales), key_codes, out.carry, out.token_kv, out.token_score,
                          positions)
         # unpacked on first use by an indexer: scanning the compressed history is the indexers' job

@@ -92,7 +92,8 @@ class DeepseekV41Cache(Cache):
     # -- lifecycle -------------------------------------------------------------------------------------------
     def reset(self) -> None:
         self.columns = 0
-        self.lengths: torch.Tensor | None = None  # [B] real tokens per row
+        self.lengths = None  # [B] real tokens per row
+        self.chunk_max_length = 0  # max real tokens of a row once the chunk in progress is committed
         self.pools: dict[int, _Pool] = {}
         self.rings: dict[int, _Ring] = {}
         self._history: _Columns | None = None  # compressed ids per column (DEAD for images and padding)
@@ -102,6 +103,23 @@ class DeepseekV41Cache(Cache):
         self.pending_replay = False  # a restored cache replays its last window of tokens on the next forward
         self.crop_floor = 0  # a restored cache cannot roll back past its restore point
         self.compute_dtype: torch.dtype | None = None
+
+    @property
+    def lengths(self) -> torch.Tensor | None:
+        """[B] real tokens per batch row."""
+        return self._lengths
+
+    @lengths.setter
+    def lengths(self, value: torch.Tensor | None) -> None:
+        self._lengths = value
+        self._max_length = None  # read back from the tensor only if asked before the next commit sets it
+
+    @property
+    def max_length(self) -> int:
+        """The most real tokens any row holds, as a Python int (decode steps know it without a device read)."""
+        if self._max_length is None:
+            self._max_length = int(self._lengths.amax()) if self._lengths is not None and self._lengths.numel() else 0
+        return self._max_length
 
     @property
     def history(self) -> torch.Tensor:
@@ -148,6 +166,7 @@ class DeepseekV41Cache(Cache):
             raise ValueError(f"The cache holds {self.lengths.shape[0]} rows but the input has {batch}.")
         if attention_mask is None:
             positions = self.lengths.unsqueeze(1) + torch.arange(seq, device=input_ids.device)
+            self.chunk_max_length = self.max_length + seq
         elif attention_mask.shape[1] not in (seq, self.columns + seq):
             raise ValueError(
                 f"attention_mask covers {attention_mask.shape[1]} columns; expected the chunk ({seq}) or the cache "
@@ -156,6 +175,8 @@ class DeepseekV41Cache(Cache):
         else:
             chunk = attention_mask[:, -seq:].to(torch.bool)
             positions = torch.where(chunk, self.lengths.unsqueeze(1) + chunk.long().cumsum(-1) - 1, -1)
+            # the step's one device read: every pool and window width of this forward follows from it
+            self.chunk_max_length = int((self.lengths + chunk.sum(dim=1)).amax())
         replayed = 0
         if self.pending_replay:
             replayed = min(self.text_config.sliding_window, self.columns)
@@ -184,6 +205,7 @@ class DeepseekV41Cache(Cache):
         self._real.write(self.columns, new_positions >= 0)
         self.columns += new_positions.shape[1]
         self.lengths = self.lengths + (new_positions >= 0).sum(dim=1)
+        self._max_length = self.chunk_max_length
 
     def pool_positions(self, positions: torch.Tensor) -> torch.Tensor:
         """Positions that still need pool rows (replayed tokens already have theirs): others become -1."""
@@ -197,7 +219,10 @@ class DeepseekV41Cache(Cache):
         `positions` may be the queries of a slice of the chunk starting at chunk index `offset`."""
         ring = self.rings[layer_id]
         start = self.chunk_start.view(-1, 1, 1)
-        width = min(window, int(positions.amax()) + 1) if positions.numel() else 0
+        if offset + positions.shape[1] == chunk_kv.shape[1]:  # the chunk's last queries: the widest window is known
+            width = min(window, self.chunk_max_length)
+        else:
+            width = min(window, int(positions.amax()) + 1) if positions.numel() else 0
         p = positions.unsqueeze(-1)
         listed = (p - window + 1).clamp_min(0) + torch.arange(max(width, 0), device=positions.device)
         valid = (listed <= p) & (p >= 0)
@@ -216,6 +241,13 @@ class DeepseekV41Cache(Cache):
 
     def write_window(self, layer_id: int, chunk_kv: torch.Tensor, positions: torch.Tensor) -> None:
         ring = self.rings[layer_id]
+        if positions.shape[1] == 1:  # one token per row: written without reading anything back
+            live = positions[:, 0] >= 0
+            slots = positions[:, 0] % ring.size
+            ring.rows.write_one_per_row(slots, chunk_kv[:, 0], live)
+            ring.positions.scatter_(1, slots.unsqueeze(1), torch.where(
+                live, positions[:, 0], ring.positions.gather(1, slots.unsqueeze(1)).squeeze(1)).unsqueeze(1))
+            return
         end = torch.where(positions >= 0, positions, -1).amax(dim=1, keepdim=True)
         keep = (positions >= 0) & (positions > end - ring.size)
         batch_ids = torch.arange(positions.shape[0], device=positions.device).unsqueeze(1).expand_as(positions)
@@ -228,7 +260,7 @@ class DeepseekV41Cache(Cache):
         """A drafter stage's window: the last `window` backbone positions up to `last` [B], listed by ring slot
         (position modulo window) as the reference lists them. Returns values [B,L,hd] and validity [B,L]."""
         ring = self.rings[layer_id]
-        width = min(window, int(last.amax()) + 1)
+        width = min(window, self.max_length)  # last = lengths - 1
         slots = torch.arange(width, device=last.device)
         listed = last.unsqueeze(1) - (last.unsqueeze(1) - slots) % window
         valid = (slots <= last.unsqueeze(1)) & (listed >= 0)
@@ -239,20 +271,22 @@ class DeepseekV41Cache(Cache):
     def carry(self, source: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         return self.pools[source].carry
 
-    def pool_rows(self, source: int) -> int:
-        """Rows of the pool any batch row has completed, before this chunk."""
-        ratio = self.pools[source].ratio
-        return int((self.lengths // ratio).amax()) if self.lengths.numel() else 0
+    def pool_rows_after_chunk(self, source: int) -> int:
+        """Rows of the pool the longest batch row will have completed once this chunk is written."""
+        return self.chunk_max_length // self.pools[source].ratio
 
     def write_pool(self, source: int, rows: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
                    keys: tuple[torch.Tensor, torch.Tensor], carry, token_kv: torch.Tensor | None,
                    token_score: torch.Tensor | None, positions: torch.Tensor) -> None:
         """Store the chunk's completed rows (codes and scales of their QDQ), the new carry, and raw tokens."""
         pool = self.pools[source]
+        total = self.pool_rows_after_chunk(source)
+        pool.kv.ensure_capacity(max(total, 1))  # a step's skipped writes land on row 0
+        pool.keys.ensure_capacity(max(total, 1))
+        if rows.shape[1] == 1 and positions.shape[1] == 1:
+            self._write_pool_step(pool, rows[:, 0], kv, keys, carry, token_kv, token_score, positions[:, 0])
+            return
         done = rows >= 0
-        total = int(rows.amax()) + 1 if rows.numel() and bool(done.any()) else 0
-        pool.kv.ensure_capacity(total)
-        pool.keys.ensure_capacity(total)
         batch_ids = torch.arange(rows.shape[0], device=rows.device).unsqueeze(1).expand_as(rows)
         pool.kv.write_codes(batch_ids[done], rows[done], kv[0][done], kv[1][done])
         pool.keys.write_codes(batch_ids[done], rows[done], keys[0][done], keys[1][done])
@@ -263,6 +297,20 @@ class DeepseekV41Cache(Cache):
             slot = positions[live] % pool.recent_size
             pool.recent_kv[b, slot] = token_kv[live].to(pool.recent_kv.dtype)
             pool.recent_score[b, slot] = token_score[live].to(pool.recent_score.dtype)
+
+    @staticmethod
+    def _write_pool_step(pool: _Pool, rows: torch.Tensor, kv, keys, carry, token_kv, token_score,
+                         positions: torch.Tensor) -> None:
+        """write_pool for one token and at most one new row per batch row, without reading anything back."""
+        done = rows >= 0
+        pool.kv.write_codes_one_per_row(rows, kv[0][:, 0], kv[1][:, 0], done)
+        pool.keys.write_codes_one_per_row(rows, keys[0][:, 0], keys[1][:, 0], done)
+        if pool.ratio > 1:
+            pool.carry = carry
+            live = (positions >= 0).view(-1, 1, 1)
+            index = (positions % pool.recent_size).view(-1, 1, 1).expand(-1, 1, pool.recent_kv.shape[-1])
+            for store, values in ((pool.recent_kv, token_kv), (pool.recent_score, token_score)):
+                store.scatter_(1, index, torch.where(live, values.to(store.dtype), store.gather(1, index)))
 
     def pool_keys(self, source: int, rows: int, dtype: torch.dtype) -> torch.Tensor:
         return self.pools[source].keys.read(rows, dtype)

@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 from torch.nn import functional as F
 
-from .compiled import compiled
+from .compiled import compiled, fast_path
 from .numerics import compute_dtype
 from .row_invariant import row_invariant_linear
 
@@ -29,7 +29,7 @@ def hc_mixes(streams: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base:
     # one RMS statistic per token over all streams, applied after the projection
     mixes = row_invariant_linear(x, fn.to(x.dtype)) * torch.rsqrt(x.square().mean(-1, keepdim=True) + norm_eps)
     # on an accelerator the 40 small Sinkhorn steps run fused (decode is launch-bound there)
-    split = compiled(split_sinkhorn) if mixes.is_cuda and not torch.is_grad_enabled() else split_sinkhorn
+    split = compiled(split_sinkhorn) if fast_path(mixes) else split_sinkhorn
     return HyperMix(*split(mixes, scale.to(x.dtype), base.to(x.dtype), hc_mult, sinkhorn_iters, hc_eps))
 
 

@@ -85,6 +85,21 @@ class PackedRows:
         self.codes[batch_ids, row_ids] = codes.to(self.code_dtype).view(torch.uint8)
         self.scales[batch_ids, row_ids] = scales.to(self.scale_dtype).view(torch.uint8)
 
+    def write_codes_one_per_row(self, row_ids: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                                keep: torch.Tensor) -> None:
+        """Store encoded rows codes [B, w] at (b, row_ids[b]) where keep [B], without reading anything back to
+        the host: rows not kept rewrite the bytes already at row 0."""
+        target = torch.where(keep, row_ids, 0).view(-1, 1, 1)
+        for store, values in ((self.codes, codes.to(self.code_dtype)), (self.scales, scales.to(self.scale_dtype))):
+            index = target.expand(-1, 1, store.shape[-1])
+            kept = torch.where(keep.view(-1, 1, 1), values.view(torch.uint8).unsqueeze(1), store.gather(1, index))
+            store.scatter_(1, index, kept)
+
+    def write_one_per_row(self, row_ids: torch.Tensor, values: torch.Tensor, keep: torch.Tensor) -> None:
+        """Encode values [B, dim] and store them as `write_codes_one_per_row` does."""
+        codes, scales = self._encode(values)
+        self.write_codes_one_per_row(row_ids, codes, scales, keep)
+
     def gather(self, row_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """row_ids [B, ...] (valid indices) -> values [B, ..., dim], unpacking only the gathered rows."""
         batch = row_ids.shape[0]

@@ -6,8 +6,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .numerics import compute_dtype, weight_dtype
-from .quantized_linear import DeepseekV41Linear
+from .compiled import fast_path
+from .numerics import compute_dtype, dequantize_fp4_weight, fp8_act_qdq, weight_dtype
+from .quantized_linear import STORAGE_FP8, DeepseekV41Linear
 from .row_invariant import row_invariant_linear
 from .sparse_attention import stable_topk_indices
 
@@ -73,6 +74,74 @@ class DeepseekV41Expert(nn.Module):
         return self.w2(h.to(x.dtype))
 
 
+GATHER_MAX_TOKENS = 16  # up to this many tokens, an accelerator gathers the chosen experts' weights (no host sync)
+PROJECTIONS = ("w1", "w2", "w3")
+
+
+class ExpertStack:
+    """The routed experts' weights (and scales) stacked [E, ...] per projection, so that a decode step can gather
+    its chosen experts by a device index. Each expert's parameters become views of the stack: no second copy."""
+
+    def __init__(self, experts: nn.ModuleList) -> None:
+        self.storage = experts[0].w1.storage
+        self.stacks: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        for name in PROJECTIONS:
+            linears = [getattr(expert, name) for expert in experts]
+            weight = torch.stack([linear.weight.detach() for linear in linears])
+            scale = None if linears[0].scale is None else torch.stack([linear.scale.detach() for linear in linears])
+            for index, linear in enumerate(linears):
+                linear.weight.data = weight[index]
+                if scale is not None:
+                    linear.scale.data = scale[index]
+            self.stacks[name] = (weight, scale)
+        self.key = self.key_of(experts)
+
+    @staticmethod
+    def key_of(experts: nn.ModuleList) -> tuple[int, ...]:
+        """Where the first and last experts' weights live: it changes when parameters are moved or replaced."""
+        return tuple(getattr(experts[i], name).weight.data_ptr() for i in (0, -1) for name in PROJECTIONS)
+
+    @staticmethod
+    def can_stack(experts: nn.ModuleList) -> bool:
+        """Dense or FP4 experts that all live on one device in one dtype."""
+        weights = [expert.w1.weight for expert in experts]
+        return experts[0].w1.storage != STORAGE_FP8 and all(
+            w.device == weights[0].device and w.dtype == weights[0].dtype and not w.is_meta for w in weights)
+
+    def tensors(self) -> tuple[torch.Tensor | None, ...]:
+        """(w1, w1 scale, w3, w3 scale, w2, w2 scale), scales None for dense experts."""
+        return tuple(t for name in ("w1", "w3", "w2") for t in self.stacks[name])
+
+
+def gathered_linear(x: torch.Tensor, experts: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None
+                    ) -> torch.Tensor:
+    """Row n of x [N, in] through the stacked projection weight [E, out, in] of expert experts[n], with
+    DeepseekV41Linear's numerics (FP8 activation QDQ and fp32 products for FP4 weights)."""
+    weight = weight[experts]
+    if scale is None:
+        return torch.bmm(x.to(weight.dtype).unsqueeze(1), weight.transpose(1, 2)).squeeze(1)
+    x = fp8_act_qdq(x)
+    weight = dequantize_fp4_weight(weight, scale[experts])
+    return torch.bmm(x.float().unsqueeze(1), weight.transpose(1, 2)).squeeze(1).to(x.dtype)
+
+
+def gathered_swiglu(tokens: torch.Tensor, experts: torch.Tensor, route_weights: torch.Tensor, limit: float,
+                    w1: torch.Tensor, s1: torch.Tensor | None, w3: torch.Tensor, s3: torch.Tensor | None,
+                    w2: torch.Tensor, s2: torch.Tensor | None) -> torch.Tensor:
+    """Contributions [T,k,D] of each token's experts [T,k] with routing weights [T,k], as DeepseekV41Expert
+    computes them, from the stacked weights."""
+    k = experts.shape[1]
+    ids = experts.reshape(-1)
+    x = tokens.repeat_interleave(k, dim=0)
+    acc = compute_dtype(tokens)
+    gate, up = gathered_linear(x, ids, w1, s1).to(acc), gathered_linear(x, ids, w3, s3).to(acc)
+    if limit > 0:
+        up = up.clamp(-limit, limit)
+        gate = gate.clamp(max=limit)
+    h = route_weights.reshape(-1, 1) * (F.silu(gate) * up)
+    return gathered_linear(h.to(tokens.dtype), ids, w2, s2).to(tokens.dtype).view(*experts.shape, -1)
+
+
 class DeepseekV41MoE(nn.Module):
     """Routed experts plus one always-on shared expert. Each token sums its experts' outputs in ascending expert
     order in the compute dtype, then adds the shared expert (the reference's accumulation order)."""
@@ -88,6 +157,7 @@ class DeepseekV41MoE(nn.Module):
         )
         self.shared_experts = DeepseekV41Expert(config.hidden_size, config.moe_intermediate_size,
                                                 "fp8" if quantized else "dense", config.swiglu_limit)
+        self._stack: ExpertStack | None = None  # built on the first gathered (decode) call
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -98,13 +168,31 @@ class DeepseekV41MoE(nn.Module):
         order = experts.argsort(dim=-1, stable=True)  # per token, visit its experts in ascending id
         sorted_experts = experts.gather(1, order)
         sorted_weights = weights.gather(1, order)
-        contributions = tokens.new_zeros(*sorted_experts.shape, shape[-1])
-        for expert_id in sorted_experts.unique().tolist():
-            token_idx, slot = torch.nonzero(sorted_experts == expert_id, as_tuple=True)
-            contributions[token_idx, slot] = self.experts[expert_id](
-                tokens[token_idx], sorted_weights[token_idx, slot].unsqueeze(-1))
+        stack = self._expert_stack(tokens)
+        if stack is not None:
+            contributions = gathered_swiglu(tokens, sorted_experts, sorted_weights, self.experts[0].swiglu_limit,
+                                            *stack.tensors())
+        else:
+            contributions = self._per_expert(tokens, sorted_experts, sorted_weights)
         y = torch.zeros(tokens.shape, dtype=compute_dtype(x), device=x.device)
         for slot in range(contributions.shape[1]):
             y = y + contributions[:, slot]
         y = y + self.shared_experts(tokens)
         return y.to(x.dtype).view(shape), logits, experts
+
+    def _per_expert(self, tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Contributions [T,k,D]: each expert that was chosen runs once over its tokens (reads the ids back)."""
+        contributions = tokens.new_zeros(*experts.shape, tokens.shape[-1])
+        for expert_id in experts.unique().tolist():
+            token_idx, slot = torch.nonzero(experts == expert_id, as_tuple=True)
+            contributions[token_idx, slot] = self.experts[expert_id](tokens[token_idx],
+                                                                     weights[token_idx, slot].unsqueeze(-1))
+        return contributions
+
+    def _expert_stack(self, tokens: torch.Tensor) -> ExpertStack | None:
+        """The stacked expert weights when this call takes the gathered path (few tokens on an accelerator)."""
+        if not fast_path(tokens) or tokens.shape[0] > GATHER_MAX_TOKENS:
+            return None
+        if self._stack is None or self._stack.key != ExpertStack.key_of(self.experts):
+            self._stack = ExpertStack(self.experts) if ExpertStack.can_stack(self.experts) else None
+        return self._stack

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from .compiled import compiled
+from .compiled import compiled, fast_path
 
 SOFTMAX_BLOCK = 64  # the reference kernel walks each query's list in blocks of 64 entries
 
@@ -45,7 +45,7 @@ def sparse_attention(q: torch.Tensor, entries: torch.Tensor, valid: torch.Tensor
     fp32 in the denominator. Other dtypes take one exact softmax. On an accelerator (inference) a fused single
     softmax runs instead.
     """
-    if q.is_cuda and q.dtype != torch.float64 and not torch.is_grad_enabled():
+    if fast_path(q):
         return compiled(_fused_sparse_attention)(q, entries, valid, sink, softmax_scale)
     acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     qf, kvf = q.to(acc_dtype), entries.to(acc_dtype) * valid.unsqueeze(-1)
