@@ -247,3 +247,22 @@ def test_vision_warmup_trains_the_models_own_tower(tmp_path):
     moved = {name for name, p in model.named_parameters() if not torch.equal(p, before[name])}
     assert moved and all(name.startswith(("vision.", "aligner.")) for name in moved)
     assert set(report["heldout_accuracy"]) == {"shape", "colour"} and report["train_loss"] > 0
+
+
+def test_greedy_continuations_are_the_models_own_greedy_output():
+    from training.self_distillation import greedy_continuations
+
+    model = random_model(tiny_config(), dtype=torch.float32).train()
+    generator = torch.Generator().manual_seed(4)
+    examples = [{"input_ids": torch.randint(3, 500, (20,), generator=generator).tolist()} for _ in range(3)]
+    out = greedy_continuations(model, examples, prompt_tokens=8, new_tokens=6, batch_size=2)
+    assert model.training and len(out) == 3
+    for example, continued in zip(examples, out):
+        prompt = torch.tensor([example["input_ids"][:8]])
+        with torch.no_grad():
+            alone = model.eval().generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6,
+                                          do_sample=False)
+        assert continued["input_ids"][:8] == example["input_ids"][:8]
+        assert continued["input_ids"] == alone[0].tolist()[:len(continued["input_ids"])]
+    with pytest.raises(ValueError, match="prompt_tokens"):
+        greedy_continuations(model, [{"input_ids": [5, 6]}], prompt_tokens=8)

@@ -8,7 +8,8 @@ Stages (fixed seeds, CPU):
    a throw-away linear classifier), so the picture tokens carry the shape before the language model reads them.
 3. backbone: `DeepseekV41Trainer` (causal-LM loss, MoE balance loss) on picture questions about drawn coloured
    shapes mixed with Python documentation text; the drafter is not trained here.
-4. drafter: `DSparkDrafterTrainer` trains `mtp.*` only, backbone frozen, with the DSpark objective.
+4. drafter: `DSparkDrafterTrainer` trains `mtp.*` only, backbone frozen, with the DSpark objective, on picture
+   answers, documentation windows and the backbone's own greedy continuations of documentation openings.
 5. export: `save_pretrained` (bf16 native layout) then `conversion_scripts.convert_native_to_hub` (FP8/FP4 hub
    layout), so the default loads through the real hub loader; accuracy is then measured on the quantized model.
 """
@@ -40,7 +41,8 @@ class BuildSettings:
     backbone_batch: int = 16
     backbone_lr: float = 2e-3
     moe_aux_loss_coef: float = 1e-3
-    drafter_steps: int = 300
+    drafter_steps: int = 800
+    drafter_self_distillation: bool = True  # drafter text includes the backbone's own greedy continuations
     drafter_batch: int = 16
     drafter_lr: float = 2e-3
     num_anchors: int = 48
@@ -129,8 +131,13 @@ def train_drafter(model, processor, settings: BuildSettings, work: Path) -> dict
     from .datasets import MixedDataset, ShapeQADataset
     from .drafter import DSparkDrafterTrainer, freeze_all_but_drafter
 
-    freeze_all_but_drafter(model)
     texts = text_examples(processor.tokenizer, settings.text_length, stride=settings.text_length // 4)
+    if settings.drafter_self_distillation:
+        from .self_distillation import greedy_continuations
+
+        generated = greedy_continuations(model, text_examples(processor.tokenizer, settings.text_length))
+        texts = [example for pair in zip(texts, generated) for example in pair] + texts[len(generated):]
+    freeze_all_but_drafter(model)
     qa = ShapeQADataset(settings.drafter_steps * settings.drafter_batch, seed=settings.seed + 2)
     trainer = DSparkDrafterTrainer(
         model=model, args=training_arguments(work / "drafter", settings.drafter_steps, settings.drafter_batch,
