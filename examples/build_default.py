@@ -1,6 +1,7 @@
 """Rebuild the embedded default checkpoint (examples/default-checkpoint) from scratch on the CPU.
 
-    python examples/build_default.py [--out DIR] [--backbone-steps N] [--drafter-steps N] [--seed N] [--no-eval]
+    python examples/build_default.py [--out DIR] [--vision-warmup-steps N] [--backbone-steps N] [--drafter-steps N]
+                                      [--self-distillation] [--seed N] [--no-eval]
 
 Trains a small DeepSeek-V4.1 (every mechanism present) on generated pictures of coloured shapes with questions
 and answers plus Python's own documentation text, trains its DSpark drafter with the backbone frozen, writes it in
@@ -31,6 +32,8 @@ def main() -> int:
     parser.add_argument("--vision-warmup-steps", type=int, default=defaults.vision_warmup_steps,
                         help="steps of the ViT/aligner shape-and-colour warm-up (0 skips it)")
     parser.add_argument("--drafter-steps", type=int, default=defaults.drafter_steps)
+    parser.add_argument("--self-distillation", action="store_true",
+                        help="also train the drafter on the backbone's own greedy continuations of documentation text")
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--text-every", type=int, default=defaults.text_every,
                         help="every N-th backbone training example is documentation text")
@@ -43,6 +46,7 @@ def main() -> int:
         return 4
     settings = BuildSettings(seed=args.seed, vision_warmup_steps=args.vision_warmup_steps,
                              backbone_steps=args.backbone_steps, drafter_steps=args.drafter_steps,
+                             drafter_self_distillation=args.self_distillation,
                              threads=args.threads, text_every=args.text_every,
                              main_question_share=args.main_question_share)
     report = build_default(args.out, settings)

@@ -62,8 +62,7 @@ def main() -> None:
     report = args.checkpoint / "training_report.json"
     if report.exists():  # say how good the small default is, so its answer is read for what it is
         accuracy = json.loads(report.read_text())["evaluation"]["heldout_accuracy"]
-        print(f"NOTE: this small trained default answers {accuracy:.0%} of held-out picture questions correctly "
-              "(colours mostly right, shapes often wrong).")
+        print(f"(this small trained default answers {accuracy:.0%} of its held-out picture questions correctly)")
     print_answer(MAIN_QUESTION, answer, stats)
 
 if __name__ == "__main__":

@@ -15,8 +15,9 @@ sys.path.insert(0, str(ROOT))
 CHECKPOINT = ROOT / "examples" / "default-checkpoint"
 # measured values are in docs/fine_tuning.md and benchmarks/default_checkpoint_results.md; thresholds sit a
 # little below them
-ACCURACY_THRESHOLD = 0.30
-ACCEPTED_LENGTH_THRESHOLD = 1.15
+ACCURACY_THRESHOLD = 0.90  # measured 0.9375 (45 / 48)
+ACCEPTED_LENGTH_THRESHOLD = 1.15  # text; measured 1.21
+PICTURE_ACCEPTED_LENGTH_THRESHOLD = 4.0  # picture answers; measured 5.00
 
 pytestmark = pytest.mark.skipif(not CHECKPOINT.exists(), reason="examples/default-checkpoint is not built")
 
@@ -58,3 +59,4 @@ def test_drafter_is_accepted_and_lossless(loaded):
     stats = drafting_stats(model, processor, max_new_tokens=24, n_text=3, n_images=2)
     assert stats["text"]["same_tokens"] and stats["image"]["same_tokens"]
     assert stats["text"]["mean_accepted_length"] >= ACCEPTED_LENGTH_THRESHOLD
+    assert stats["image"]["mean_accepted_length"] >= PICTURE_ACCEPTED_LENGTH_THRESHOLD
