@@ -102,7 +102,7 @@ class EngramHashLayout:
         return primes, offsets, torch.tensor(self.multipliers, dtype=torch.int64)
 
 
-def ngram_window(compressed: torch.Tensor, pad_id: int, max_ngram: int, width: int) -> torch.Tensor:
+def ngram_window(compressed: torch.Tensor, pad_id: int | torch.Tensor, max_ngram: int, width: int) -> torch.Tensor:
     """Tokens at shifts 0..max_ngram-1 for the last `width` positions of a compressed-id history [B, T].
 
     A shift is blocked (takes `pad_id`) before the history start or at/after the first dead token going back.
@@ -114,7 +114,7 @@ def ngram_window(compressed: torch.Tensor, pad_id: int, max_ngram: int, width: i
     for shift in range(max_ngram):
         source = compressed[:, (positions - shift).clamp_min(0)]
         blocked = blocked | (positions < shift) | (source == DEAD)
-        shifted.append(torch.where(blocked, torch.full_like(source, pad_id), source))
+        shifted.append(torch.where(blocked, pad_id, source))  # pad_id may be a 0-dim tensor: no host read
     return torch.stack(shifted, dim=-1)
 
 

@@ -328,7 +328,7 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
         """Global Engram table rows [B,S,n_engram_layers,columns] of every position of `input_ids`; with a cache,
         n-grams reach back into the cached history."""
         token_map = self.engram_token_map
-        if bool((token_map < 0).any()):
+        if not torch.compiler.is_compiling() and bool((token_map < 0).any()):  # a host read: eager calls only
             raise RuntimeError(
                 "The Engram compressed token map has not been built. Load the model with from_pretrained from a "
                 "folder that has the tokenizer files, or call model.build_engram_token_map(tokenizer)."
@@ -338,7 +338,7 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
         if dead is not None:
             compressed = compressed.masked_fill(dead, DEAD)
         history = cache.append_history(compressed, replayed) if cache is not None else compressed
-        pad = int(token_map[text.engram_pad_token_id])
+        pad = token_map[text.engram_pad_token_id]
         shifted = ngram_window(history, pad, text.engram_max_ngram_size, input_ids.shape[1])
         primes, offsets, multipliers = (t.to(input_ids.device) for t in self.engram_layout.tensors)  # built once per model
         return engram_hash_ids(shifted, primes, offsets, multipliers)
@@ -357,7 +357,8 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
                 mask = attention_mask[:, -seq:].to(torch.bool)
                 positions = torch.where(mask, mask.long().cumsum(-1) - 1, -1)
         padding = positions < 0
-        padding = padding if bool(padding.any()) else None
+        # an all-False mask changes nothing; only eager calls read it back to skip the masking
+        padding = padding if torch.compiler.is_compiling() or bool(padding.any()) else None
         image_mask = token_types >= 0 if token_types is not None else None
         dead = image_mask
         if padding is not None:

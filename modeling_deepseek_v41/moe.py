@@ -142,6 +142,11 @@ def gathered_swiglu(tokens: torch.Tensor, experts: torch.Tensor, route_weights: 
     return gathered_linear(h.to(tokens.dtype), ids, w2, s2).to(tokens.dtype).view(*experts.shape, -1)
 
 
+@torch.compiler.disable  # rebinds parameters: runs eagerly, once, even inside a compiled decode step
+def _build_stack(experts: nn.ModuleList) -> ExpertStack | None:
+    return ExpertStack(experts) if ExpertStack.can_stack(experts) else None
+
+
 class DeepseekV41MoE(nn.Module):
     """Routed experts plus one always-on shared expert. Each token sums its experts' outputs in ascending expert
     order in the compute dtype, then adds the shared expert (the reference's accumulation order)."""
@@ -193,6 +198,7 @@ class DeepseekV41MoE(nn.Module):
         """The stacked expert weights when this call takes the gathered path (few tokens on an accelerator)."""
         if not fast_path(tokens) or tokens.shape[0] > GATHER_MAX_TOKENS:
             return None
-        if self._stack is None or self._stack.key != ExpertStack.key_of(self.experts):
-            self._stack = ExpertStack(self.experts) if ExpertStack.can_stack(self.experts) else None
+        if self._stack is None or (not torch.compiler.is_compiling()
+                                   and self._stack.key != ExpertStack.key_of(self.experts)):
+            self._stack = _build_stack(self.experts)
         return self._stack
