@@ -40,6 +40,7 @@ import torch._dynamo
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from accelerator_paths import force_accelerator_paths  # noqa: E402
 from gpu_suite import build_model, medium_config  # noqa: E402
 
 import modeling_deepseek_v41  # noqa: E402
@@ -55,23 +56,6 @@ DATA_DEPENDENT = (
     r"unbacked", r"Unsupported Tensor\.item", r"generic_jump", r"jump.*tensor", r"boolean mask", r"bool\(",
     r"__bool__", r"__int__", r"int\(", r"guard on data",
 )
-
-
-def force_accelerator_paths() -> None:
-    """The GPU formulations on the CPU (as decode_op_count.py), with every compiled helper run as its eager
-    function."""
-    def always(x: torch.Tensor) -> bool:
-        return x.dtype != torch.float64 and not torch.is_grad_enabled()
-
-    def eager(function):
-        return function
-
-    for name, module in list(sys.modules.items()):
-        if name.startswith("modeling_deepseek_v41"):
-            if hasattr(module, "fast_path"):
-                module.fast_path = always
-            if hasattr(module, "compiled"):
-                module.compiled = eager
 
 
 def clean_reason(text: str) -> str:
@@ -224,7 +208,7 @@ def main() -> None:
     attach_logs()
     torch.manual_seed(0)
     model = build_model(medium_config(quick=True), "cpu")
-    force_accelerator_paths()
+    force_accelerator_paths(lambda function: function)  # the GPU formulations, every helper run eagerly
     text = model.config.text_config
     print(f"model: D {text.hidden_size}, {text.num_hidden_layers} layers, ratios {list(text.compress_ratios)}, "
           f"{text.n_routed_experts} experts top-{text.num_experts_per_tok}; context {args.context}, "

@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from accelerator_paths import force_accelerator_paths  # noqa: E402
 from gpu_suite import build_model, medium_config  # noqa: E402
 
 from modeling_deepseek_v41.cache import DeepseekV41Cache  # noqa: E402
@@ -110,15 +111,7 @@ def take_accelerator_paths(counter: OpCounter) -> None:
                 counter.fused_depth -= 1
         return run
 
-    def always(x: torch.Tensor) -> bool:
-        return x.dtype != torch.float64 and not torch.is_grad_enabled()
-
-    for name, module in list(sys.modules.items()):
-        if name.startswith("modeling_deepseek_v41"):
-            if hasattr(module, "fast_path"):
-                module.fast_path = always
-            if hasattr(module, "compiled"):
-                module.compiled = fused
+    force_accelerator_paths(fused)
 
 
 def attach_module_stack(model: torch.nn.Module, counter: OpCounter) -> list:
