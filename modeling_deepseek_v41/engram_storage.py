@@ -174,9 +174,9 @@ def finish(rows: tuple[torch.Tensor, torch.Tensor | None, object | None]
 def prefetch_engram_rows(model: torch.nn.Module, engram_rows: torch.Tensor) -> None:
     """Start the gather (and host-to-device copy) of every externally stored Engram table's rows for this forward,
     before any layer runs. Tables on the device need nothing: their lookup is a device gather."""
-    for layer in model.layers:
-        engram = getattr(layer, "engram", None)
-        table = getattr(engram, "embed", None)
+    for index in model.plan.engram_layers:  # the plan names the Engram layers: no scan of every block per forward
+        layer = model.layers[index]
+        table = layer.engram.embed
         if getattr(table, "external", None) is None:
             continue
         table.pending = table.external.start(engram_rows, layer.spec.engram_slot, engram_rows.device)
