@@ -15,8 +15,6 @@ import torch
 FP8_MAX = 448.0
 FP4_MAX = 6.0
 WEIGHT_BLOCK = 32  # FP8 weights: one scale per 32x32 tile; FP4 weights and activations: per 32 values
-_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-_E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 
 def weight_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -73,9 +71,19 @@ def fp8_dequantize_rows(values: torch.Tensor, scales: torch.Tensor, dtype: torch
     return groups.flatten(-2).to(dtype)
 
 
+def _e2m1_magnitudes(codes: torch.Tensor) -> torch.Tensor:
+    """fp32 magnitudes of 3-bit e2m1 codes (0, .5, 1, 1.5, 2, 3, 4, 6), computed rather than looked up in a host
+    table: copying a table to the device in every call would stop a CUDA graph from capturing the step."""
+    exponent = codes.to(torch.int32) >> 1
+    mantissa = (codes & 1).to(torch.float32)
+    normal = torch.ldexp(1.0 + 0.5 * mantissa, exponent - 1)
+    return torch.where(exponent == 0, 0.5 * mantissa, normal)
+
+
 def e2m1_codes(v: torch.Tensor) -> torch.Tensor:
     """4-bit e2m1 codes (bit 3 = sign) of fp32 values already scaled into [-6, 6], nearest-even rounding."""
-    midpoints = torch.tensor(_E2M1_MIDPOINTS, dtype=torch.float32, device=v.device)
+    grid = _e2m1_magnitudes(torch.arange(8, device=v.device))
+    midpoints = (grid[1:] + grid[:-1]) / 2  # exact: 0.25, 0.75, ..., 5
     magnitude = v.abs()
     code = torch.bucketize(magnitude, midpoints, right=False)
     # at an exact midpoint bucketize rounds down; nearest-even rounds up where the upper code is even
@@ -86,8 +94,7 @@ def e2m1_codes(v: torch.Tensor) -> torch.Tensor:
 
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
     """fp32 values of 4-bit e2m1 codes (negative zero kept)."""
-    grid = torch.tensor(_E2M1_VALUES, dtype=torch.float32, device=codes.device)
-    magnitude = grid[(codes & 0x7).long()]
+    magnitude = _e2m1_magnitudes(codes & 0x7)
     return torch.where((codes & 0x8) != 0, -magnitude, magnitude)
 
 
