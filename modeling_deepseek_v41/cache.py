@@ -42,6 +42,16 @@ class _Columns:
             self.buffer = grown
         self.buffer[:, start:end] = values
 
+    def write_at(self, column: torch.Tensor, values: torch.Tensor) -> None:
+        """Store values [B, 1] at a column held on the device (a static decode step): no host int involved."""
+        self.buffer.scatter_(1, column.expand(self.buffer.shape[0], 1), values.to(self.buffer.dtype))
+
+    def reserve(self, columns: int) -> None:
+        if columns > self.buffer.shape[1]:
+            grown = self.buffer.new_zeros(self.buffer.shape[0], columns)
+            grown[:, : self.buffer.shape[1]] = self.buffer
+            self.buffer = grown
+
     def view(self, start: int, end: int) -> torch.Tensor:
         return self.buffer[:, start:end]
 
@@ -103,6 +113,8 @@ class DeepseekV41Cache(Cache):
         self.pending_replay = False  # a restored cache replays its last window of tokens on the next forward
         self.crop_floor = 0  # a restored cache cannot roll back past its restore point
         self.compute_dtype: torch.dtype | None = None
+        self.static_columns: torch.Tensor | None = None  # [1, 1] the column count on the device, in static mode
+        self.static_limit = 0  # the columns a static cache has room for
 
     @property
     def lengths(self) -> torch.Tensor | None:
@@ -164,6 +176,12 @@ class DeepseekV41Cache(Cache):
             self._allocate(batch, input_ids.device, compute_dtype)
         if self.lengths.shape[0] != batch:
             raise ValueError(f"The cache holds {self.lengths.shape[0]} rows but the input has {batch}.")
+        if self.is_static and (seq != 1 or attention_mask is not None or self.pending_replay):
+            raise ValueError("A static cache (make_static) runs one-token decode steps without an attention mask; "
+                             "call cache.end_static() before other forwards.")
+        if self.is_static and self.columns >= self.static_limit:
+            raise ValueError(f"This static cache is full ({self.static_limit} columns); call cache.end_static() "
+                             "or make_static with more columns.")
         if attention_mask is None:
             positions = self.lengths.unsqueeze(1) + torch.arange(seq, device=input_ids.device)
             self.chunk_max_length = self.max_length + seq
@@ -194,6 +212,10 @@ class DeepseekV41Cache(Cache):
         """Append the chunk's compressed ids (replayed ones are already there); returns the last `max_ngram - 1`
         earlier columns followed by the whole chunk."""
         keep = self.text_config.engram_max_ngram_size - 1
+        if self.is_static:  # the step's column is a device counter; the n-gram window is the last keep + 1 columns
+            self._history.write_at(self.static_columns, compressed)
+            window = self.static_columns - keep + torch.arange(keep + 1, device=compressed.device)
+            return self._history.buffer.index_select(1, window.view(-1))
         self._history.write(self.columns, compressed[:, replayed:])
         new_end = self.columns + compressed.shape[1] - replayed
         return self._history.view(max(0, self.columns - replayed - keep), new_end)
@@ -201,6 +223,14 @@ class DeepseekV41Cache(Cache):
     def commit(self, input_ids: torch.Tensor, positions: torch.Tensor, replayed: int = 0) -> None:
         """Account the chunk (its non-replayed part): tokens, real columns, column and per-row token counts."""
         new_ids, new_positions = input_ids[:, replayed:], positions[:, replayed:]
+        if self.is_static:  # in place, so that a replayed CUDA graph advances the same buffers
+            self._tokens.write_at(self.static_columns, new_ids)
+            self._real.write_at(self.static_columns, new_positions >= 0)
+            self.static_columns.add_(1)
+            self._lengths.add_((new_positions >= 0).sum(dim=1))
+            self.columns += 1
+            self._max_length = self.chunk_max_length
+            return
         self._tokens.write(self.columns, new_ids)
         self._real.write(self.columns, new_positions >= 0)
         self.columns += new_positions.shape[1]
@@ -219,7 +249,9 @@ class DeepseekV41Cache(Cache):
         `positions` may be the queries of a slice of the chunk starting at chunk index `offset`."""
         ring = self.rings[layer_id]
         start = self.chunk_start.view(-1, 1, 1)
-        if offset + positions.shape[1] == chunk_kv.shape[1]:  # the chunk's last queries: the widest window is known
+        if self.is_static:  # a fixed width; entries the window does not reach yet are masked
+            width = window
+        elif offset + positions.shape[1] == chunk_kv.shape[1]:  # the chunk's last queries: the widest is known
             width = min(window, self.chunk_max_length)
         else:
             width = min(window, int(positions.amax()) + 1) if positions.numel() else 0
@@ -272,7 +304,10 @@ class DeepseekV41Cache(Cache):
         return self.pools[source].carry
 
     def pool_rows_after_chunk(self, source: int) -> int:
-        """Rows of the pool the longest batch row will have completed once this chunk is written."""
+        """Rows of the pool the longest batch row will have completed once this chunk is written (in static mode
+        the pool's whole capacity: rows not written yet are masked by each query's visible count)."""
+        if self.is_static:
+            return self.pools[source].kv.capacity
         return self.chunk_max_length // self.pools[source].ratio
 
     def write_pool(self, source: int, rows: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
@@ -298,15 +333,18 @@ class DeepseekV41Cache(Cache):
             pool.recent_kv[b, slot] = token_kv[live].to(pool.recent_kv.dtype)
             pool.recent_score[b, slot] = token_score[live].to(pool.recent_score.dtype)
 
-    @staticmethod
-    def _write_pool_step(pool: _Pool, rows: torch.Tensor, kv, keys, carry, token_kv, token_score,
+    def _write_pool_step(self, pool: _Pool, rows: torch.Tensor, kv, keys, carry, token_kv, token_score,
                          positions: torch.Tensor) -> None:
         """write_pool for one token and at most one new row per batch row, without reading anything back."""
         done = rows >= 0
         pool.kv.write_codes_one_per_row(rows, kv[0][:, 0], kv[1][:, 0], done)
         pool.keys.write_codes_one_per_row(rows, keys[0][:, 0], keys[1][:, 0], done)
         if pool.ratio > 1:
-            pool.carry = carry
+            if self.is_static:  # in place: a replayed graph reads the carry where it wrote it
+                for stored, new in zip(pool.carry, carry):
+                    stored.copy_(new)
+            else:
+                pool.carry = carry
             live = (positions >= 0).view(-1, 1, 1)
             index = (positions % pool.recent_size).view(-1, 1, 1).expand(-1, 1, pool.recent_kv.shape[-1])
             for store, values in ((pool.recent_kv, token_kv), (pool.recent_score, token_score)):
@@ -317,6 +355,45 @@ class DeepseekV41Cache(Cache):
 
     def gather_pool(self, source: int, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return self.pools[source].kv.gather(rows, dtype)
+
+    # -- static decode (CUDA graphs) --------------------------------------------------------------------------
+    @property
+    def is_static(self) -> bool:
+        return self.static_columns is not None
+
+    def make_static(self, columns: int) -> None:
+        """Fix every buffer for one-token decode steps until the cache holds `columns` columns: each step then
+        runs the same kernels on the same memory with the same shapes (what a CUDA graph replays). Pool reads span
+        the pools' capacity, masked by each query's visible rows, so a step's cost no longer follows the context."""
+        keep = self.text_config.engram_max_ngram_size - 1  # a step's n-grams read this many earlier columns
+        if not self.is_initialized or self.columns < max(keep, 1):
+            raise ValueError(f"make_static needs a prefilled cache of at least {max(keep, 1)} columns: run the "
+                             "prompt through the model first.")
+        if self.pending_replay or self.dspark:
+            raise ValueError("make_static needs a cache without a pending replay and without DSpark rings "
+                             "(run one forward after loading a saved cache; create the cache with dspark=False).")
+        if columns <= self.columns:
+            raise ValueError(f"make_static({columns}): the cache already holds {self.columns} columns.")
+        for record in (self._history, self._real, self._tokens):
+            record.reserve(columns)
+        for pool in self.pools.values():
+            pool.kv.ensure_capacity(columns // pool.ratio + 1)
+            pool.keys.ensure_capacity(columns // pool.ratio + 1)
+            if pool.ratio > 1 and pool.carry is None:
+                raise ValueError("make_static needs every pool's carry: prefill at least one token.")
+        self.static_columns = torch.full((1, 1), self.columns, dtype=torch.long, device=self.lengths.device)
+        self.static_limit = columns
+
+    def end_static(self) -> None:
+        """Back to growing buffers (any forward is allowed again)."""
+        self.static_columns = None
+
+    def static_state(self) -> tuple[int, int | None, int]:
+        """The host-side counters a static step advances (a graph replay does not run Python)."""
+        return self.columns, self._max_length, self.chunk_max_length
+
+    def set_static_state(self, state: tuple[int, int | None, int]) -> None:
+        self.columns, self._max_length, self.chunk_max_length = state
 
     # -- Cache API ------------------------------------------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -349,6 +426,8 @@ class DeepseekV41Cache(Cache):
         count = -tokens_to_remove
         if count == 0 or not self.is_initialized:
             return
+        if self.is_static:
+            raise ValueError("Cannot crop a static cache; call cache.end_static() first.")
         if count > self.crop_horizon:
             raise ValueError(
                 f"Cannot crop {count} tokens: this cache keeps {self.crop_horizon} tokens of history to roll back "
@@ -381,6 +460,8 @@ class DeepseekV41Cache(Cache):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if not self.is_initialized:
             return
+        if self.is_static:
+            raise ValueError("Cannot reorder a static cache's rows; call cache.end_static() first.")
         indices = indices.to(self.lengths.device)
         self.lengths = self.lengths.index_select(0, indices)
         self._history.select(indices)

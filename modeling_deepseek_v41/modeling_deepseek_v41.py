@@ -181,6 +181,7 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
         self._rope_tables = {
             (spec.rope_theta, spec.use_yarn): None for spec in self.plan.layers + self.plan.dspark_layers
         }
+        self._device_constants: dict[tuple, torch.Tensor | tuple[torch.Tensor, ...]] = {}
         self.post_init()
 
     # -- loading ---------------------------------------------------------------------------------------------
@@ -314,21 +315,32 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
         return model_inputs
 
     # -- forward pieces --------------------------------------------------------------------------------------
+    def _on_device(self, key: tuple, device: torch.device, build) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """A host-built constant copied to `device` once: a step then copies nothing from the host (which a
+        CUDA graph could not capture)."""
+        cached = self._device_constants.get((key, device))
+        if cached is None:
+            built = build()
+            cached = tuple(t.to(device) for t in built) if isinstance(built, tuple) else built.to(device)
+            self._device_constants[(key, device)] = cached
+        return cached
+
     def _inv_freq(self, theta: float, yarn: bool, device: torch.device) -> torch.Tensor:
         text = self.config.text_config
         scaling = text.rope_scaling or {}
-        return rope_inv_freq(
+        return self._on_device(("inv_freq", theta, yarn), device, lambda: rope_inv_freq(
             text.qk_rope_head_dim, theta, text.yarn_factor if yarn else 1.0,
             text.yarn_original_max_position_embeddings if yarn else 0,
             float(scaling.get("beta_fast", 32)), float(scaling.get("beta_slow", 1)),
-        ).to(device)
+        ))
 
     def engram_rows(self, input_ids: torch.Tensor, dead: torch.Tensor | None, cache=None, replayed: int = 0
                     ) -> torch.Tensor:
         """Global Engram table rows [B,S,n_engram_layers,columns] of every position of `input_ids`; with a cache,
         n-grams reach back into the cached history."""
         token_map = self.engram_token_map
-        if not torch.compiler.is_compiling() and bool((token_map < 0).any()):  # a host read: eager calls only
+        static = cache is not None and cache.is_static
+        if not torch.compiler.is_compiling() and not static and bool((token_map < 0).any()):  # a host read
             raise RuntimeError(
                 "The Engram compressed token map has not been built. Load the model with from_pretrained from a "
                 "folder that has the tokenizer files, or call model.build_engram_token_map(tokenizer)."
@@ -340,7 +352,8 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
         history = cache.append_history(compressed, replayed) if cache is not None else compressed
         pad = token_map[text.engram_pad_token_id]
         shifted = ngram_window(history, pad, text.engram_max_ngram_size, input_ids.shape[1])
-        primes, offsets, multipliers = (t.to(input_ids.device) for t in self.engram_layout.tensors)  # built once per model
+        primes, offsets, multipliers = self._on_device(("engram_layout",), input_ids.device,
+                                                       lambda: self.engram_layout.tensors)
         return engram_hash_ids(shifted, primes, offsets, multipliers)
 
     def prepare_context(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -357,8 +370,9 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
                 mask = attention_mask[:, -seq:].to(torch.bool)
                 positions = torch.where(mask, mask.long().cumsum(-1) - 1, -1)
         padding = positions < 0
-        # an all-False mask changes nothing; only eager calls read it back to skip the masking
-        padding = padding if torch.compiler.is_compiling() or bool(padding.any()) else None
+        # an all-False mask changes nothing; only eager, growing-cache calls read it back to skip the masking
+        keep = torch.compiler.is_compiling() or (cache is not None and cache.is_static)
+        padding = padding if keep or bool(padding.any()) else None
         image_mask = token_types >= 0 if token_types is not None else None
         dead = image_mask
         if padding is not None:

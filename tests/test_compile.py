@@ -8,29 +8,11 @@ the captured step computes the eager step's logits, not inductor's kernels.
 
 from __future__ import annotations
 
-import sys
-
-import pytest
 import torch
 
 from model_factory import random_model, tiny_config
 
 from modeling_deepseek_v41.cache import DeepseekV41Cache
-
-
-@pytest.fixture
-def accelerator_paths(monkeypatch):
-    def always(x: torch.Tensor) -> bool:
-        return x.dtype != torch.float64 and not torch.is_grad_enabled()
-
-    for name, module in list(sys.modules.items()):
-        if name.startswith("modeling_deepseek_v41"):
-            if hasattr(module, "fast_path"):
-                monkeypatch.setattr(module, "fast_path", always)
-            if hasattr(module, "compiled"):
-                monkeypatch.setattr(module, "compiled", lambda function: function)
-    yield
-    torch._dynamo.reset()
 
 
 def _decode(model, step, ids: torch.Tensor, prompt: int) -> list[torch.Tensor]:

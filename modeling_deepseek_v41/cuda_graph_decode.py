@@ -1,0 +1,80 @@
+"""One-token decode steps replayed from a CUDA graph: a decode step of this model is launch-bound (thousands of
+small kernels), so recording it once and replaying it removes the host's per-kernel cost."""
+
+from __future__ import annotations
+
+import torch
+
+from .cache import DeepseekV41Cache
+from .engram import DeepseekV41ExternalEngramTable
+
+
+class DeepseekV41CUDAGraphDecoder:
+    """Runs `model(next_ids, cache=cache)` one token per batch row at a time, from a CUDA graph.
+
+    The cache is made static (`cache.make_static`) for `max_new_tokens` more tokens: every buffer keeps its
+    address and every shape its size, and host-side counters advance after each replay. The first step runs
+    eagerly (it compiles and builds what the step needs), the second records the graph, the rest replay it.
+
+        cache = DeepseekV41Cache(model.config)
+        logits = model(prompt_ids, cache=cache).logits
+        decoder = DeepseekV41CUDAGraphDecoder(model, cache, max_new_tokens=256)
+        for _ in range(256):
+            next_ids = logits[:, -1:].argmax(-1)
+            logits = decoder.step(next_ids)
+        decoder.close()  # the cache accepts any forward again
+    """
+
+    def __init__(self, model, cache: DeepseekV41Cache, max_new_tokens: int) -> None:
+        device = model.device
+        if device.type != "cuda":
+            raise ValueError(f"CUDA graph decoding needs the model on a CUDA device; it is on {device}.")
+        if model.training:
+            raise ValueError("CUDA graph decoding is for inference: call model.eval() first.")
+        if any(isinstance(m, DeepseekV41ExternalEngramTable) for m in model.modules()):
+            raise ValueError("CUDA graph decoding needs the Engram tables on the GPU (engram_storage='device'): "
+                             "host and mmap tables are read on the host in every step.")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}.")
+        limit = model.config.text_config.max_position_embeddings
+        if cache.columns + max_new_tokens > limit:
+            raise ValueError(f"{cache.columns} cached + {max_new_tokens} new tokens exceed max_position_embeddings "
+                             f"({limit}).")
+        cache.make_static(cache.columns + max_new_tokens)
+        self.model, self.cache, self.max_new_tokens = model, cache, max_new_tokens
+        self.steps = 0
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.input_ids = torch.zeros(cache.lengths.shape[0], 1, dtype=torch.long, device=device)
+        self.logits: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def step(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Feed one token per row, input_ids [B, 1]; returns this step's logits [B, 1, vocab] (a new tensor)."""
+        if input_ids.shape != self.input_ids.shape:
+            raise ValueError(f"input_ids must have shape {tuple(self.input_ids.shape)}, got {tuple(input_ids.shape)}.")
+        if self.steps >= self.max_new_tokens:
+            raise ValueError(f"This decoder was made for {self.max_new_tokens} steps; create a new one to go on.")
+        self.steps += 1
+        if self.steps == 1:  # eager: compiles the fused helpers and builds the expert stacks before recording
+            return self.model(input_ids.to(self.input_ids.device), cache=self.cache).logits
+        self.input_ids.copy_(input_ids)
+        if self.graph is None:
+            self._record()
+        before = self.cache.static_state()
+        self.graph.replay()
+        columns, max_length, _ = before
+        self.cache.set_static_state((columns + 1, max_length + 1, max_length + 1))  # what the step's commit does
+        return self.logits.clone()
+
+    def _record(self) -> None:
+        """Record one step; recording runs no kernel, so the host counters it advanced are put back."""
+        state = self.cache.static_state()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = self.model(self.input_ids, cache=self.cache).logits
+        self.cache.set_static_state(state)
+
+    def close(self) -> None:
+        """Release the graph and give the cache back its growing buffers."""
+        self.graph, self.logits = None, None
+        self.cache.end_static()
