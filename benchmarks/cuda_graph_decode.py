@@ -4,7 +4,11 @@ and against transformers' in-tree DeepseekV4ForCausalLM at matched width and dep
 For each context: prefill once and copy the cache; run eager steps on one copy and graph-replayed steps on the
 other with the same tokens; compare their logits; then time both (CUDA-synchronised medians).
 
+With --generate N, also times model.generate() of N new tokens after a 1,024-token prompt, plain and with
+cuda_graphs=True (greedy; the tokens must be the same).
+
 Run: python benchmarks/cuda_graph_decode.py [--contexts 1024 4096 65536] [--steps 20] [--no-baseline]
+     [--generate 128]
 """
 
 from __future__ import annotations
@@ -64,17 +68,35 @@ def measure(model, context: int, steps: int, chunk: int = 4096) -> dict:
     return row
 
 
+def generate_speed(model, new_tokens: int, prompt: int = 1024) -> dict:
+    ids = torch.randint(3, model.config.text_config.vocab_size, (1, prompt), device="cuda")
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                  do_sample=False)
+    outputs, seconds = {}, {}
+    for graphs in (False, True, False, True):  # the first of each warms up (compilation, recording)
+        outputs[graphs] = model.generate(ids, cuda_graphs=graphs, **kwargs)
+        seconds[graphs] = model.last_generation_stats["seconds"]
+    row = {"generate_new_tokens": new_tokens, "prompt": prompt, "plain_tok_s": new_tokens / seconds[False],
+           "cuda_graphs_tok_s": new_tokens / seconds[True], "speedup": seconds[False] / seconds[True],
+           "same_tokens": bool(torch.equal(outputs[False], outputs[True]))}
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 65536])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--no-baseline", action="store_true", help="skip the in-tree V4 baseline")
+    parser.add_argument("--generate", type=int, default=0, help="also time generate() of this many new tokens")
     args = parser.parse_args()
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     model = build_model(medium_config(quick=False), "cuda")
     if not args.no_baseline:
         print(json.dumps({"baseline": intree_v4_decode("cuda", min(args.contexts), quick=False)}), flush=True)
     rows = [measure(model, context, args.steps) for context in args.contexts]
+    if args.generate:
+        generate_speed(model, args.generate)
     by_context = {row["context"]: row["graph_ms"] for row in rows}
     if 4096 in by_context and 65536 in by_context:
         print(json.dumps({"graph_64k_over_4k": by_context[65536] / by_context[4096]}), flush=True)

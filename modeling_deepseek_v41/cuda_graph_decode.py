@@ -9,6 +9,17 @@ from .cache import DeepseekV41Cache
 from .engram import DeepseekV41ExternalEngramTable
 
 
+def check_graph_decoding(model) -> None:
+    """Raise, naming the fix, when `model` cannot decode from a CUDA graph."""
+    if model.device.type != "cuda":
+        raise ValueError(f"CUDA graph decoding needs the model on a CUDA device; it is on {model.device}.")
+    if model.training:
+        raise ValueError("CUDA graph decoding is for inference: call model.eval() first.")
+    if any(isinstance(m, DeepseekV41ExternalEngramTable) for m in model.modules()):
+        raise ValueError("CUDA graph decoding needs the Engram tables on the GPU (engram_storage='device'): "
+                         "host and mmap tables are read on the host in every step.")
+
+
 class DeepseekV41CUDAGraphDecoder:
     """Runs `model(next_ids, cache=cache)` one token per batch row at a time, from a CUDA graph.
 
@@ -26,14 +37,8 @@ class DeepseekV41CUDAGraphDecoder:
     """
 
     def __init__(self, model, cache: DeepseekV41Cache, max_new_tokens: int) -> None:
+        check_graph_decoding(model)
         device = model.device
-        if device.type != "cuda":
-            raise ValueError(f"CUDA graph decoding needs the model on a CUDA device; it is on {device}.")
-        if model.training:
-            raise ValueError("CUDA graph decoding is for inference: call model.eval() first.")
-        if any(isinstance(m, DeepseekV41ExternalEngramTable) for m in model.modules()):
-            raise ValueError("CUDA graph decoding needs the Engram tables on the GPU (engram_storage='device'): "
-                             "host and mmap tables are read on the host in every step.")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}.")
         limit = model.config.text_config.max_position_embeddings
@@ -69,12 +74,43 @@ class DeepseekV41CUDAGraphDecoder:
     def _record(self) -> None:
         """Record one step; recording runs no kernel, so the host counters it advanced are put back."""
         state = self.cache.static_state()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits = self.model(self.input_ids, cache=self.cache).logits
-        self.cache.set_static_state(state)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                self.logits = self.model(self.input_ids, cache=self.cache).logits
+        finally:
+            self.cache.set_static_state(state)
+        self.graph = graph
 
     def close(self) -> None:
         """Release the graph and give the cache back its growing buffers."""
         self.graph, self.logits = None, None
         self.cache.end_static()
+
+
+class GenerationGraphs:
+    """`generate(..., cuda_graphs=True)`: the one-token steps of one generate() call go through a
+    DeepseekV41CUDAGraphDecoder, made after the prompt's forward with room for the rest of `max_length`."""
+
+    def __init__(self, model, cache: DeepseekV41Cache, max_length: int) -> None:
+        self.model, self.cache, self.max_length = model, cache, max_length
+        self.decoder: DeepseekV41CUDAGraphDecoder | None = None
+        self.running = False  # the decoder's own forward calls (its eager and recording steps) run the model
+
+    def handles(self, cache, input_ids: torch.Tensor, pixel_values) -> bool:
+        """A decode step of this generation (its attention mask's new column is always 1, so it is not needed)."""
+        return (not self.running and cache is self.cache and input_ids.shape[1] == 1 and cache.columns > 0 and not cache.pending_replay
+                and pixel_values is None)
+
+    def step(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.decoder is None:
+            self.decoder = DeepseekV41CUDAGraphDecoder(self.model, self.cache, self.max_length - self.cache.columns)
+        self.running = True
+        try:
+            return self.decoder.step(input_ids)
+        finally:
+            self.running = False
+
+    def close(self) -> None:
+        if self.decoder is not None:
+            self.decoder.close()

@@ -26,6 +26,7 @@ from .forward_share import ForwardShare
 from .hyper_connections import hc_collapse
 from .layer_plan import LayerPlan
 from .loading import compressed_token_map, dequantize_module_weights, load_tokenizer_for_token_map
+from .cuda_graph_decode import GenerationGraphs, check_graph_decoding
 from .engram_storage import prefetch_engram_rows
 from .placement import DeepseekV41PlacementMixin
 from .norms import DeepseekV41RMSNorm
@@ -182,6 +183,7 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
             (spec.rope_theta, spec.use_yarn): None for spec in self.plan.layers + self.plan.dspark_layers
         }
         self._device_constants: dict[tuple, torch.Tensor | tuple[torch.Tensor, ...]] = {}
+        self._cuda_graphs_requested, self._generation_graphs = False, None  # set for one generate() call
         self.post_init()
 
     # -- loading ---------------------------------------------------------------------------------------------
@@ -244,7 +246,12 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
     def generate(self, *args, **kwargs):
         """transformers' generate(), plus DSpark speculative decoding: `use_dspark=True` (a generation-config
         field, also settable in generation_config.json) and `dspark_confidence_threshold`. Afterwards
-        `model.last_generation_stats` holds the run's measured speed, cache size and draft acceptance."""
+        `model.last_generation_stats` holds the run's measured speed, cache size and draft acceptance.
+        `cuda_graphs=True` replays the one-token decode steps from a CUDA graph (greedy or sampling, batch of any
+        size, on a CUDA device; not with DSpark or beam search)."""
+        cuda_graphs = bool(kwargs.pop("cuda_graphs", False))
+        if cuda_graphs:
+            check_graph_decoding(self)
         use_dspark = kwargs.pop("use_dspark", None)
         threshold = kwargs.pop("dspark_confidence_threshold", None)
         base = kwargs.pop("generation_config", None)
@@ -256,13 +263,17 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
         elif base is not None:
             kwargs["generation_config"] = base
         self._generation_cache, self._dspark_generator = None, None
+        self._cuda_graphs_requested, self._generation_graphs = cuda_graphs, None
         start = time.perf_counter()
         try:
             output = super().generate(*args, **kwargs)
         finally:
             elapsed = time.perf_counter() - start
             cache, generator = self._generation_cache, self._dspark_generator
+            if self._generation_graphs is not None:
+                self._generation_graphs.close()
             self._generation_cache, self._dspark_generator = None, None
+            self._cuda_graphs_requested, self._generation_graphs = False, None
         sequences = output if isinstance(output, torch.Tensor) else output.sequences
         prompt = args[0] if args else kwargs.get("input_ids")
         new_tokens = sequences.numel() - (prompt.numel() if isinstance(prompt, torch.Tensor) else 0)
@@ -285,17 +296,27 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
     def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs) -> None:
         """generate() gets a DeepseekV41Cache (the dynamic caches of transformers cannot hold CSA2 pools)."""
         dspark = bool(getattr(generation_config, "use_dspark", False))
+        if self._cuda_graphs_requested:
+            if dspark or generation_config.num_beams > 1:
+                raise ValueError("cuda_graphs=True replays one-token steps: it cannot be combined with use_dspark "
+                                 "or beam search (num_beams > 1).")
+            if generation_config.use_cache is False:
+                raise ValueError("cuda_graphs=True needs the cache: do not combine it with use_cache=False.")
         if model_kwargs.get("cache") is not None:
             cache = self._generation_cache = model_kwargs["cache"]
             cache._is_user_defined = True
             if dspark and not cache.dspark:
                 raise ValueError("use_dspark needs a cache created with DeepseekV41Cache(config, dspark=True).")
-            return
-        if generation_config.use_cache is False:
+            if self._cuda_graphs_requested and cache.dspark:
+                raise ValueError("cuda_graphs=True needs a cache without DSpark rings (DeepseekV41Cache(config)).")
+        elif generation_config.use_cache is False:
             if dspark:
                 raise ValueError("use_dspark needs the cache: do not combine it with use_cache=False.")
             return
-        model_kwargs["cache"] = self._generation_cache = DeepseekV41Cache(self.config, dspark=dspark)
+        else:
+            model_kwargs["cache"] = self._generation_cache = DeepseekV41Cache(self.config, dspark=dspark)
+        if self._cuda_graphs_requested:
+            self._generation_graphs = GenerationGraphs(self, self._generation_cache, generation_config.max_length)
 
     def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, *args, **kwargs) -> dict:
         """Images and their token types belong to the prefill only; later steps feed text tokens."""
@@ -500,6 +521,9 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
         if input_ids is None:
             raise ValueError("DeepseekV41ForCausalLM needs input_ids: the Engram hash is computed from token ids.")
         cache = cache if cache is not None else past_key_values
+        graphs = self._generation_graphs
+        if graphs is not None and graphs.handles(cache, input_ids, pixel_values) and labels is None:
+            return DeepseekV41CausalLMOutput(logits=graphs.step(input_ids), cache=cache)
         if cache is None and use_cache:
             cache = DeepseekV41Cache(self.config)
         if cache is not None:

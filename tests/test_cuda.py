@@ -124,3 +124,21 @@ def test_cuda_graph_decode_replays_the_eager_steps(case_dir):
     rel, top1 = _agreement(torch.stack(graphed), torch.stack(eager))
     print(f"graph-replayed steps {len(graphed)} vs growing cache: median rel L2 {rel:.2e}, top-1 {top1:.3f}")
     assert rel <= MAX_MEDIAN_REL_L2 and top1 >= MIN_TOP1
+
+
+@pytest.mark.skipif(not DEFAULT_CHECKPOINT.exists(), reason="examples/default-checkpoint is not built")
+def test_generate_with_cuda_graphs_gives_the_plain_tokens():
+    from transformers import AutoModelForCausalLM, AutoProcessor
+
+    import modeling_deepseek_v41  # noqa: F401
+    from training.evaluate import text_prompts
+
+    model = AutoModelForCausalLM.from_pretrained(DEFAULT_CHECKPOINT).cuda().eval()
+    processor = AutoProcessor.from_pretrained(DEFAULT_CHECKPOINT)
+    for ids in text_prompts(processor.tokenizer, 2):
+        ids = ids.cuda()
+        plain = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)
+        graphed = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+                                 cuda_graphs=True)
+        assert torch.equal(plain, graphed)
+    assert model._generation_graphs is None

@@ -123,3 +123,11 @@ def test_static_cache_refuses_what_it_cannot_replay():
             model(input_ids=ids[:, 9:10], cache=cache)
     with pytest.raises(ValueError, match="end_static"):
         cache.crop(-1)
+
+
+def test_generate_with_cuda_graphs_needs_a_cuda_model():
+    model = random_model(tiny_config(), dtype=torch.float32)
+    ids = torch.randint(3, 500, (1, 8), generator=torch.Generator().manual_seed(8))
+    with pytest.raises(ValueError, match="CUDA device"):
+        model.generate(ids, max_new_tokens=4, do_sample=False, cuda_graphs=True)
+    assert model._generation_graphs is None and not model._cuda_graphs_requested
