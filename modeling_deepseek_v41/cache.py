@@ -381,6 +381,7 @@ class DeepseekV41Cache(Cache):
             pool.keys.ensure_capacity(columns // pool.ratio + 1)
             if pool.ratio > 1 and pool.carry is None:
                 raise ValueError("make_static needs every pool's carry: prefill at least one token.")
+        self.chunk_max_length = self.max_length  # read back here, once: static steps advance it on the host
         self.static_columns = torch.full((1, 1), self.columns, dtype=torch.long, device=self.lengths.device)
         self.static_limit = columns
 

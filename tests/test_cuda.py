@@ -38,6 +38,24 @@ def _cuda_model(case_dir):
     return copy.deepcopy(load_model(case_dir)).cuda()
 
 
+def _text_decode_case(case_dir):
+    """(CUDA model, first row's ids, its tie-free length, the prompt length) of the text case."""
+    case = load_case(case_dir)
+    if "token_types" in case.inputs:
+        pytest.skip("the decode comparison runs on the text case")
+    clean = int(case.expected["clean_prefix"][0])
+    return _cuda_model(case_dir).eval(), case.inputs["input_ids"][:1].cuda(), clean, clean // 2
+
+
+def _default_on_cuda():
+    from transformers import AutoModelForCausalLM, AutoProcessor
+
+    import modeling_deepseek_v41  # noqa: F401
+
+    model = AutoModelForCausalLM.from_pretrained(DEFAULT_CHECKPOINT).cuda().eval()
+    return model, AutoProcessor.from_pretrained(DEFAULT_CHECKPOINT)
+
+
 def test_fixture_logits_on_cuda(case_dir):
     case = load_case(case_dir)
     model = _cuda_model(case_dir)
@@ -54,13 +72,7 @@ def test_cached_decode_on_cuda_matches_the_full_forward(case_dir):
     """Token-by-token decode steps (the gathered-expert MoE and sync-free cache writes) against one forward."""
     from modeling_deepseek_v41.cache import DeepseekV41Cache
 
-    case = load_case(case_dir)
-    if "token_types" in case.inputs:
-        pytest.skip("the decode comparison runs on the text case")
-    model = _cuda_model(case_dir)
-    ids = case.inputs["input_ids"][:1].cuda()
-    clean = int(case.expected["clean_prefix"][0])
-    prompt = clean // 2
+    model, ids, clean, prompt = _text_decode_case(case_dir)
     with torch.no_grad():
         full = model(input_ids=ids[:, :clean]).logits[0]
         cache = DeepseekV41Cache(model.config)
@@ -74,13 +86,9 @@ def test_cached_decode_on_cuda_matches_the_full_forward(case_dir):
 
 @pytest.mark.skipif(not DEFAULT_CHECKPOINT.exists(), reason="examples/default-checkpoint is not built")
 def test_default_checkpoint_on_cuda_answers_and_drafts_losslessly():
-    from transformers import AutoModelForCausalLM, AutoProcessor
-
-    import modeling_deepseek_v41  # noqa: F401
     from training.data import heldout_questions
 
-    model = AutoModelForCausalLM.from_pretrained(DEFAULT_CHECKPOINT).cuda().eval()
-    processor = AutoProcessor.from_pretrained(DEFAULT_CHECKPOINT)
+    model, processor = _default_on_cuda()
     examples = heldout_questions()
     right = 0
     for example in examples:
@@ -103,13 +111,7 @@ def test_cuda_graph_decode_replays_the_eager_steps(case_dir):
     from modeling_deepseek_v41.cache import DeepseekV41Cache
     from modeling_deepseek_v41.cuda_graph_decode import DeepseekV41CUDAGraphDecoder
 
-    case = load_case(case_dir)
-    if "token_types" in case.inputs:
-        pytest.skip("the decode comparison runs on the text case")
-    model = _cuda_model(case_dir).eval()
-    ids = case.inputs["input_ids"][:1].cuda()
-    clean = int(case.expected["clean_prefix"][0])
-    prompt = clean // 2
+    model, ids, clean, prompt = _text_decode_case(case_dir)
     with torch.no_grad():
         growing = DeepseekV41Cache(model.config)
         model(input_ids=ids[:, :prompt], cache=growing)
@@ -128,13 +130,9 @@ def test_cuda_graph_decode_replays_the_eager_steps(case_dir):
 
 @pytest.mark.skipif(not DEFAULT_CHECKPOINT.exists(), reason="examples/default-checkpoint is not built")
 def test_generate_with_cuda_graphs_gives_the_plain_tokens():
-    from transformers import AutoModelForCausalLM, AutoProcessor
-
-    import modeling_deepseek_v41  # noqa: F401
     from training.evaluate import text_prompts
 
-    model = AutoModelForCausalLM.from_pretrained(DEFAULT_CHECKPOINT).cuda().eval()
-    processor = AutoProcessor.from_pretrained(DEFAULT_CHECKPOINT)
+    model, processor = _default_on_cuda()
     for ids in text_prompts(processor.tokenizer, 2):
         ids = ids.cuda()
         plain = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)
