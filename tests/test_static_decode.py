@@ -16,9 +16,12 @@ PROMPT, STEPS = 34, 6
 HOST_READS = {"_local_scalar_dense", "nonzero", "_unique2", "unique_consecutive", "item"}
 
 
-def _prefilled(model, ids: torch.Tensor) -> DeepseekV41Cache:
+def _prefilled(model, ids: torch.Tensor, padding: int = 0) -> DeepseekV41Cache:
+    """A cache holding the prompt; with `padding`, the second row's first tokens are left padding."""
     cache = DeepseekV41Cache(model.config)
-    model(input_ids=ids[:, :PROMPT], cache=cache)
+    mask = torch.ones(ids.shape[0], PROMPT, dtype=torch.long)
+    mask[1:, :padding] = 0
+    model(input_ids=ids[:, :PROMPT], attention_mask=mask if padding else None, cache=cache)
     return cache
 
 
@@ -26,15 +29,15 @@ def _steps(model, cache: DeepseekV41Cache, ids: torch.Tensor) -> list[torch.Tens
     return [model(input_ids=ids[:, t:t + 1], cache=cache).logits for t in range(PROMPT, PROMPT + STEPS)]
 
 
-@pytest.mark.parametrize("paths", ["cpu", "accelerator"])
-def test_static_cache_decodes_like_a_growing_cache(paths, request):
+@pytest.mark.parametrize("paths,padding", [("cpu", 0), ("accelerator", 0), ("accelerator", 5)])
+def test_static_cache_decodes_like_a_growing_cache(paths, padding, request):
     if paths == "accelerator":
         request.getfixturevalue("accelerator_paths")
     model = random_model(tiny_config(), dtype=torch.float32)
     ids = torch.randint(3, 500, (2, PROMPT + STEPS), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
-        growing = _steps(model, _prefilled(model, ids), ids)
-        cache = _prefilled(model, ids)
+        growing = _steps(model, _prefilled(model, ids, padding), ids)
+        cache = _prefilled(model, ids, padding)
         cache.make_static(PROMPT + STEPS)
         static = _steps(model, cache, ids)
         assert cache.columns == PROMPT + STEPS and int(cache.static_columns) == PROMPT + STEPS
