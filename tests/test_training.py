@@ -34,6 +34,18 @@ def _batch(model, seed=0, batch=2, seq=24):
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
 
 
+def _train(loss_of_step, optimizer, steps: int = 3) -> list[float]:
+    """Run `steps` optimizer steps on the loss `loss_of_step()` returns; the losses, in order."""
+    losses = []
+    for _ in range(steps):
+        loss = loss_of_step()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def _processor():
     from transformers import AutoProcessor
 
@@ -52,13 +64,7 @@ def test_training_step_lowers_loss_text_and_image():
     batch = DeepseekV41TrainingCollator(processor)(examples)
     assert "pixel_values" in batch and (batch["labels"] != -100).sum() > 0
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    losses = []
-    for _ in range(3):
-        loss = model(**batch).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = _train(lambda: model(**batch).loss, optimizer)
     assert losses[-1] < losses[0]
     grads_seen = {name.split(".")[0] for name, p in model.named_parameters() if p.requires_grad}
     assert {"embed", "layers", "vision", "aligner", "head"} <= grads_seen
@@ -119,13 +125,7 @@ def test_lora_wraps_custom_linears_and_trains_only_adapters(tmp_path):
     assert trainable and all("lora_" in n for n in trainable)
     optimizer = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=1e-2)
     batch = _batch(model)
-    losses = []
-    for _ in range(3):
-        loss = peft_model(**batch).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = _train(lambda: peft_model(**batch).loss, optimizer)
     assert losses[-1] < losses[0]
     after = dict(peft_model.get_base_model().named_parameters())
     for name, value in before.items():
