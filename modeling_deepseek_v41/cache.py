@@ -396,6 +396,12 @@ class DeepseekV41Cache(Cache):
     def set_static_state(self, state: tuple[int, int | None, int]) -> None:
         self.columns, self._max_length, self.chunk_max_length = state
 
+    def advance_static_step(self) -> None:
+        """What a static step's begin_chunk and commit do on the host, for a step replayed from a graph."""
+        self.columns += 1
+        self._max_length += 1
+        self.chunk_max_length = self._max_length
+
     # -- Cache API ------------------------------------------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.columns

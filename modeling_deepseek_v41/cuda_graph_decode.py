@@ -65,10 +65,8 @@ class DeepseekV41CUDAGraphDecoder:
         self.input_ids.copy_(input_ids)
         if self.graph is None:
             self._record()
-        before = self.cache.static_state()
         self.graph.replay()
-        columns, max_length, _ = before
-        self.cache.set_static_state((columns + 1, max_length + 1, max_length + 1))  # what the step's commit does
+        self.cache.advance_static_step()
         return self.logits.clone()
 
     def _record(self) -> None:
