@@ -1,0 +1,192 @@
+"""The released widths on one GPU: decode and prefill of DeepSeek-V4.1-Flash as shipped (quantized) or in bf16.
+
+The model is built in memory as `DeepseekV41ForCausalLM(config)` from the hub config (`spec/official_config.json`
+layout: hidden 5120, 64 x 512 heads, 40 layers with the real CSA2 schedule, DSpark, vocab 129,280). Only the
+routed experts (`--experts`, default 32 per layer) and the Engram tables (`--engram-rows` per table) are cut so it
+fits one GPU; batch-1 decode reads `num_experts_per_tok` experts per layer whatever their count.
+
+Every decode row is printed beside its HBM roofline: the bytes the step must read (every weight except the
+embedding table, the Engram tables and the drafter, in its stored precision; of the routed experts only those
+the step's tokens can select, min(E, B*k) per layer) over `--bandwidth` (H200: 4.8 TB/s).
+
+Run (one weight mode per process; the bf16 mode needs about 3.5x the memory):
+    python benchmarks/realwidth.py --mode quantized
+    python benchmarks/realwidth.py --mode bf16 --skip-prefill 65536
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from modeling_deepseek_v41 import DeepseekV41Config, DeepseekV41ForCausalLM  # noqa: E402
+from modeling_deepseek_v41.cache import DeepseekV41Cache  # noqa: E402
+from modeling_deepseek_v41.engram_hashing import engram_table_rows  # noqa: E402
+from modeling_deepseek_v41.cuda_graph_decode import DeepseekV41CUDAGraphDecoder  # noqa: E402
+
+OFFICIAL = ROOT / "benchmarks" / "released_config.json"
+
+
+def released_config(mode: str, experts: int, engram_rows: int) -> DeepseekV41Config:
+    """The hub config with the routed experts and Engram tables cut to fit one GPU, text only."""
+    raw = json.loads(OFFICIAL.read_text())
+    text = dict(raw["text_config"])
+    text["n_routed_experts"] = experts
+    text["dspark_n_routed_experts"] = min(text["dspark_n_routed_experts"], experts)
+    # each n-gram head's table is a prime number of rows near vocab/heads; scale the vocabulary to the row count
+    scale = engram_rows / sum(text["engram_num_embeddings"]) * len(text["engram_num_embeddings"])
+    text["engram_vocab_size"] = max(1, int(text["engram_vocab_size"] * scale))
+    text["engram_num_embeddings"] = engram_table_rows(SimpleNamespace(**text))
+    quantization = raw["quantization_config"] if mode == "quantized" else None
+    return DeepseekV41Config(text_config=text, quantization_config=quantization,
+                             weight_mode="quantized" if mode == "quantized" else "bf16")
+
+
+def build(config: DeepseekV41Config) -> DeepseekV41ForCausalLM:
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = DeepseekV41ForCausalLM(config).eval()
+    text = config.text_config
+    with torch.no_grad():
+        if hasattr(model, "engram_token_map"):
+            model.engram_token_map.copy_(torch.arange(text.vocab_size, device="cuda")
+                                         % text.engram_compressed_vocab_size)
+    return model
+
+
+def step_bytes(model: DeepseekV41ForCausalLM, batch: int) -> int:
+    """Bytes of stored weights a decode step of `batch` rows reads (see the module docstring)."""
+    text = model.config.text_config
+    total = 0
+    for name, param in model.named_parameters():
+        if name.startswith(("embed.", "mtp.", "vision.", "aligner.")) or ".engram.embed." in name:
+            continue
+        size = param.numel() * param.element_size()
+        if ".ffn.experts." in name:
+            size = size * min(text.n_routed_experts, batch * text.num_experts_per_tok) / text.n_routed_experts
+        total += size
+    return int(total)
+
+
+def timed_ms(fn, repeats: int, warmup: int = 2) -> float:
+    """Median CUDA-event time of `fn` in milliseconds."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def prefilled_cache(model, context: int, batch: int, chunk: int = 8192) -> tuple[DeepseekV41Cache, torch.Tensor]:
+    """A cache holding `context` random tokens, prefilled once and repeated to `batch` rows."""
+    vocab = model.config.text_config.vocab_size
+    ids = torch.randint(3, vocab, (1, context), device="cuda")
+    cache = DeepseekV41Cache(model.config)
+    with torch.no_grad():
+        for start in range(0, context, chunk):
+            model(ids[:, start:start + chunk], cache=cache, logits_to_keep=1, prefill_mode="bounded_replay")
+    if batch > 1:
+        cache.batch_repeat_interleave(batch)
+    return cache, torch.randint(3, vocab, (batch, 1), device="cuda")
+
+
+def decode_rows(model, context: int, batches: list[int], steps: int, bandwidth: float, eager: bool) -> list[dict]:
+    rows = []
+    for batch in batches:
+        cache, token = prefilled_cache(model, context, batch)
+        row = {"decode_batch": batch, "context": context}
+        if eager:
+            eager_cache = copy.deepcopy(cache)
+
+            def eager_step():
+                with torch.no_grad():
+                    model(token, cache=eager_cache)
+            row["eager_ms"] = timed_ms(eager_step, repeats=max(3, steps // 4), warmup=1)
+            del eager_cache
+        decoder = DeepseekV41CUDAGraphDecoder(model, cache, max_new_tokens=steps + 8)
+        row["graph_ms"] = timed_ms(lambda: decoder.step(token), repeats=steps, warmup=3)
+        decoder.close()
+        row["tokens_per_s"] = batch * 1e3 / row["graph_ms"]
+        row["roofline_ms"] = step_bytes(model, batch) / bandwidth * 1e3
+        row["x_roofline"] = row["graph_ms"] / row["roofline_ms"]
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        del cache, decoder
+        torch.cuda.empty_cache()
+    return rows
+
+
+def prefill_rows(model, lengths: list[int], modes: list[str], skip: set[tuple[str, int]]) -> list[dict]:
+    vocab = model.config.text_config.vocab_size
+    rows = []
+    for length in lengths:
+        for mode in modes:
+            if (mode, length) in skip:
+                continue
+            ids = torch.randint(3, vocab, (1, length), device="cuda")
+            torch.cuda.reset_peak_memory_stats()
+
+            def run():
+                with torch.no_grad():
+                    model(ids, cache=DeepseekV41Cache(model.config), prefill_mode=mode, logits_to_keep=1)
+            try:
+                ms = timed_ms(run, repeats=1, warmup=1)
+            except torch.OutOfMemoryError:
+                row = {"prefill": length, "mode": mode, "result": "out of memory"}
+            else:
+                row = {"prefill": length, "mode": mode, "ms": ms, "tokens_per_s": length * 1e3 / ms,
+                       "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mode", choices=("quantized", "bf16"), default="quantized")
+    parser.add_argument("--experts", type=int, default=32)
+    parser.add_argument("--engram-rows", type=int, default=1 << 20)
+    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--prefill", type=int, nargs="*", default=[4096, 16384, 65536])
+    parser.add_argument("--prefill-modes", nargs="+", default=["exact", "bounded_replay"])
+    parser.add_argument("--skip-prefill", type=int, nargs="*", default=[],
+                        help="lengths run in bounded_replay only (exact at 64K is the slow path)")
+    parser.add_argument("--no-eager", action="store_true")
+    parser.add_argument("--bandwidth", type=float, default=4.8e12)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/realwidth.py needs a CUDA GPU.")
+    start = time.perf_counter()
+    model = build(released_config(args.mode, args.experts, args.engram_rows))
+    weights_gib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
+    print(json.dumps({"mode": args.mode, "experts": args.experts, "weights_gib": round(weights_gib, 2),
+                      "build_s": round(time.perf_counter() - start, 1),
+                      "device": torch.cuda.get_device_name()}), flush=True)
+    decode_rows(model, args.context, args.batches, args.steps, args.bandwidth, eager=not args.no_eager)
+    skip = {("exact", n) for n in args.skip_prefill}
+    prefill_rows(model, args.prefill, args.prefill_modes, skip)
+
+
+if __name__ == "__main__":
+    main()
