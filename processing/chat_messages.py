@@ -7,8 +7,6 @@ from typing import Any
 
 
 def _message_problem(message: Any) -> str | None:
-    if hasattr(message, "role") and not isinstance(message, Mapping):  # message objects (e.g. dataclasses)
-        message = vars(message)
     if not isinstance(message, Mapping):
         return f"is a {type(message).__name__}, not a dict with 'role' and 'content'"
     role = message.get("role")
@@ -31,15 +29,11 @@ def _message_problem(message: Any) -> str | None:
     return None
 
 
-def validate_conversations(conversation: Any) -> None:
-    """Raise ValueError for the first malformed message of one conversation or a batch of conversations."""
-    if isinstance(conversation, Mapping) or not isinstance(conversation, (list, tuple)):
-        raise ValueError(f"A conversation is a list of messages, got a {type(conversation).__name__}.")
-    if not conversation:
-        raise ValueError("The conversation has no messages.")
-    batched = isinstance(conversation[0], (list, tuple)) or hasattr(conversation[0], "messages")
-    for batch_index, messages in enumerate(conversation if batched else [conversation]):
-        messages = getattr(messages, "messages", messages)
+def validate_conversations(conversations: list, batched: bool) -> None:
+    """Raise ValueError for the first malformed message of normalized conversations (a list of message lists)."""
+    for batch_index, messages in enumerate(conversations):
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError(f"Chat conversation {batch_index} must be a non-empty list of messages.")
         for index, message in enumerate(messages):
             problem = _message_problem(message)
             if problem is not None:

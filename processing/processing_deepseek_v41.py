@@ -48,7 +48,7 @@ class DeepseekV41Processor(ProcessorMixin):
     model_input_names = ["input_ids", "attention_mask", "token_types", "pixel_values", "image_grids"]
     valid_processor_kwargs = DeepseekV41ProcessorKwargs
     # the tokenizer's own padding_side, when it was set explicitly, takes precedence (transformers' kwargs merge)
-    text_kwargs = {"padding": False, "padding_side": "left"}
+    text_kwargs = {"padding_side": "left"}
 
     def __init__(
         self,
@@ -97,14 +97,16 @@ class DeepseekV41Processor(ProcessorMixin):
         from transformers import AutoTokenizer
 
         processor_dict = processor_dict or {}
+        overrides = {k: v for k, v in kwargs.items() if k in DeepseekV41ImageProcessorKwargs.__annotations__}
         saved = processor_dict.get("image_processor")
         if isinstance(saved, dict):
-            image_processor = DeepseekV41ImageProcessor(
-                **{k: v for k, v in saved.items() if k != "image_processor_type"}
-            )
+            settings = {k: v for k, v in saved.items() if k != "image_processor_type"}
+            image_processor = DeepseekV41ImageProcessor.from_dict({**settings, **overrides})
         else:
             hub_kwargs = {key: kwargs[key] for key in _HUB_KWARGS if key in kwargs}
-            image_processor = DeepseekV41ImageProcessor.from_pretrained(pretrained_model_name_or_path, **hub_kwargs)
+            image_processor = DeepseekV41ImageProcessor.from_pretrained(
+                pretrained_model_name_or_path, **hub_kwargs, **overrides
+            )
         tokenizer = AutoTokenizer.from_pretrained(pretrained_model_name_or_path, **kwargs)
         return [image_processor, tokenizer]
 
@@ -112,8 +114,6 @@ class DeepseekV41Processor(ProcessorMixin):
         self,
         images: Any = None,
         text: str | list[str] | None = None,
-        videos: Any = None,
-        audio: Any = None,
         **kwargs: Unpack[DeepseekV41ProcessorKwargs],
     ) -> BatchFeature:
         """Tokenize `text` (one string or a batch) and expand its image placeholders with `images`.
@@ -126,7 +126,7 @@ class DeepseekV41Processor(ProcessorMixin):
         `padding_side`, `truncation` / `max_length` (refused where a cut would split an image span),
         `add_special_tokens` (a text that already starts with BOS does not get a second one), `return_tensors`.
         """
-        if videos is not None or audio is not None:
+        if kwargs.pop("videos", None) is not None or kwargs.pop("audio", None) is not None:
             raise ValueError("DeepSeek-V4.1 takes text and images only (no videos or audio).")
         if images is not None and self.image_token_id is None:
             raise ValueError(f"The tokenizer has no {self.image_token} token, so images cannot be placed in the text.")
@@ -213,11 +213,14 @@ class DeepseekV41Processor(ProcessorMixin):
             return np.array(types, dtype=np.int64)
         return types
 
-    def apply_chat_template(self, conversation: Any, *args: Any, **kwargs: Any) -> Any:
-        """transformers' chat templating (images from the messages, `return_assistant_tokens_mask` through the
-        template's `{% generation %}` blocks), after checking each message's role and content."""
-        validate_conversations(conversation)
-        return super().apply_chat_template(conversation, *args, **kwargs)
+    def _normalize_conversations(self, conversation: Any) -> tuple[list, bool]:
+        """transformers' normalization (message objects to dicts, OpenAI image_url blocks), then each message's role
+        and content checked: `apply_chat_template` fails with a ValueError naming the message before any work."""
+        if not isinstance(conversation, (list, tuple)) or not conversation:
+            raise ValueError(f"A conversation is a non-empty list of messages, got {conversation!r:.80}.")
+        conversations, is_batched = super()._normalize_conversations(conversation)
+        validate_conversations(conversations, is_batched)
+        return conversations, is_batched
 
     def batch_decode(self, *args: Any, **kwargs: Any) -> list[str]:
         return self.tokenizer.batch_decode(*args, **kwargs)

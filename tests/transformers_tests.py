@@ -34,24 +34,68 @@ PACKAGE = "hf_transformers_tests"
 CACHE = Path(os.environ.get("DEEPSEEK_V41_TESTS_CACHE", Path.home() / ".cache" / "deepseek-v41-tests"))
 
 # test name -> why it does not apply; one place for every mixin class the suite uses
+_ONE_BACKEND = ("one image-processing backend (PIL), the only one that reproduces the reference preprocessing bit "
+                "for bit (PIL bicubic ImageOps.pad); there is no second backend to compare or cross-load")
+_NO_VIDEO_OR_AUDIO = "DeepSeek-V4.1 takes text and images only: no video processor, no audio processor"
+_VIDEO_AUDIO_TESTS = [
+    "test_apply_chat_template_audio", *(f"test_apply_chat_template_audio_{i}" for i in range(4)),
+    "test_apply_chat_template_decoded_video", "test_apply_chat_template_decoded_video_0",
+    "test_apply_chat_template_video", "test_apply_chat_template_video_0", "test_apply_chat_template_video_1",
+    "test_apply_chat_template_video_frame_sampling", "test_chat_template_audio_from_video",
+    "test_chat_template_audio_sampling_rate", "test_doubly_passed_kwargs_1_videos",
+    "test_get_num_multimodal_tokens_matches_processor_call_audio",
+    "test_get_num_multimodal_tokens_matches_processor_call_video",
+    *(f"{name}_{suffix}" for name in (
+        "test_kwargs_overrides_default_subprocessor_kwargs", "test_overlapping_text_image_kwargs_handling",
+        "test_structured_kwargs_nested_from_dict", "test_subprocessor_defaults_preserved_by_kwargs",
+        "test_unstructured_kwargs", "test_unstructured_kwargs_batched") for suffix in ("1_videos", "2_audio")),
+    "test_subprocessor_defaults_2_videos", "test_subprocessor_defaults_3_audio",
+]
+
+# test name -> why it does not apply; the one place listing every mixin test the suite skips
 SKIPPED: dict[str, dict[str, str]] = {
     "ImageProcessingTestMixin": {
-        "test_new_models_require_torchvision_backend": (
-            "the PIL backend is the only one that reproduces the reference preprocessing bit for bit (PIL bicubic "
-            "ImageOps.pad); a torchvision resize would change the pixels the model was trained on"
-        ),
+        "test_new_models_require_torchvision_backend": _ONE_BACKEND,
+        "test_backends_equivalence": _ONE_BACKEND,
+        "test_backends_equivalence_batched": _ONE_BACKEND,
+        "test_save_load_backends": _ONE_BACKEND,
+        "test_save_load_backends_auto": _ONE_BACKEND,
+        "test_can_compile_torchvision_backend": _ONE_BACKEND,
+        "test_fast_image_processor_explicit_none_preserved": _ONE_BACKEND,
         "test_call_numpy_4_channels": (
             "DeepSeek-ViT takes RGB only; four-channel input is composited onto white (do_convert_rgb) and "
             "do_convert_rgb=False with four channels is refused with a ValueError"
         ),
         "test_cast_dtype_device": "pixel_values are bf16 by the model's contract (the test expects float32 output)",
+        "test_image_processor_preprocess_arguments": (
+            "checks the legacy `_valid_processor_keys` / `filter_out_non_signature_kwargs` validation; this "
+            "processor validates kwargs the 5.x way (`validate_typed_dict` against DeepseekV41ImageProcessorKwargs)"
+        ),
+        "test_override_instance_attributes_does_not_affect_other_instances": (
+            "checks that a dict `size` and a list `image_mean` are not shared between instances; this processor has "
+            "no `size` (the tiling plan sizes each image) and stores `image_mean` as an immutable tuple"
+        ),
+        "test_pil_can_run_without_torchvision": (
+            "marked slow by transformers (a subprocess run); nothing here imports torchvision, which is not installed"
+        ),
     },
     "ProcessorTesterMixin": {
-        "test_apply_chat_template_image": (
-            "expects one pixel_values row per image; DeepSeek-ViT returns one row per 14x14 patch "
-            "(checked instead by test_processor_conventions.py::test_chat_template_with_image_urls)"
+        **{
+            f"test_apply_chat_template_image_{index}": (
+                "expects one pixel_values row per image; DeepSeek-ViT returns one row per 14x14 patch (the same "
+                "checks, with patch counts: test_processor_conventions.py::test_chat_template_with_image_urls)"
+            )
+            for index in (0, 1)
+        },
+        "test_apply_chat_template_tool_calls_no_content": (
+            "the chat template does not render tool calls (the DSML tool-call block is not implemented); it "
+            "refuses them with a clear error instead of dropping them"
         ),
-        "test_get_num_multimodal_tokens_matches_processor_call": "the processor has no _get_num_multimodal_tokens",
+        "test_get_num_multimodal_tokens_matches_processor_call": (
+            "the processor has no `_get_num_multimodal_tokens` (the vLLM-facing helper); span sizes come from "
+            "`plan_image` / `span_length`"
+        ),
+        **{name: _NO_VIDEO_OR_AUDIO for name in _VIDEO_AUDIO_TESTS},
     },
 }
 
