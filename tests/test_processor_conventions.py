@@ -101,3 +101,27 @@ class DeepseekV41ProcessorTest(processing_common.ProcessorTesterMixin, unittest.
     @staticmethod
     def prepare_processor_dict():
         return {"image_token_id": CONFIG["image_token_id"]}
+
+    def test_chat_template_with_image_urls(self):
+        """The mixin's test_apply_chat_template_image checks, with one pixel_values row per ViT patch."""
+        processor = self.get_processor()
+        url = processing_common.MODALITY_INPUT_DATA["images"][0]
+        messages = [
+            {"role": "system", "content": [{"type": "text", "text": "You are a helpful assistant."}]},
+            {"role": "user", "content": [{"type": "text", "text": "Describe this."}, {"type": "image", "url": url}]},
+        ]
+        out = processor.apply_chat_template([messages, messages], add_generation_prompt=True, tokenize=True,
+                                            return_dict=True, return_tensors="pt")
+        grids = out["image_grids"]
+        self.assertEqual(tuple(grids.shape), (2, 4))
+        self.assertEqual(out["pixel_values"].shape[0], int((grids[:, 0] * grids[:, 1]).sum()))
+        self.assertEqual(out["input_ids"].shape[0], 2)
+        for key in ("input_ids", "attention_mask", "token_types", "pixel_values", "image_grids"):
+            self.assertIsInstance(out[key], torch.Tensor)
+        spans = sum(int(h) * (int(w) + 1) + 2 for h, w in grids[:, 2:].tolist())
+        self.assertEqual(int((out["token_types"] >= 0).sum()), spans)
+        prompt = processor.apply_chat_template(
+            [messages + [{"role": "assistant", "content": [{"type": "text", "text": "It is the sound of"}]}]],
+            continue_final_message=True, tokenize=False,
+        )
+        self.assertTrue(prompt[0].endswith("It is the sound of"))
