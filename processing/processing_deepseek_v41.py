@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from transformers.feature_extraction_utils import BatchFeature
 from transformers.processing_utils import ProcessingKwargs, ProcessorMixin, Unpack
-from transformers.utils import cached_file, logging
+from transformers.utils import cached_file
 
 from .chat_messages import validate_conversations
 from .image_processing_deepseek_v41 import (
@@ -19,8 +19,6 @@ from .image_processing_deepseek_v41 import (
     span_length,
     span_token_types,
 )
-
-logger = logging.get_logger(__name__)
 
 IMAGE_PLACEHOLDER = "<｜deepseek_image｜>"
 DEFAULT_CHAT_TEMPLATE = (Path(__file__).parent / "chat_template.jinja").read_text(encoding="utf-8")
@@ -40,14 +38,15 @@ class DeepseekV41Processor(ProcessorMixin):
     2 newline, 3 end).
 
     Output (`BatchFeature`): `input_ids`, `attention_mask`, `token_types` (lists, or tensors with
-    `return_tensors`; with `padding`, rows are padded on the left by default (a decoder-only model generates after
-    the last position of every row; `padding_side="right"` for training) with the pad id, mask 0 and type -1), and when images are given `pixel_values` (bf16 `[sum of n_vit_h*n_vit_w, 3, p, p]`)
+    `return_tensors`; with `padding`, rows are padded on the left by default, since a decoder-only model generates
+    after the last position of every row, or on the right with `padding_side="right"` for training; padding has the
+    pad id, mask 0 and type -1), and when images are given `pixel_values` (bf16 `[sum of n_vit_h*n_vit_w, 3, p, p]`)
     and `image_grids` (int64 `[n_images, 4]` = n_vit_h, n_vit_w, n_llm_h, n_llm_w), always torch tensors.
     """
 
     model_input_names = ["input_ids", "attention_mask", "token_types", "pixel_values", "image_grids"]
     valid_processor_kwargs = DeepseekV41ProcessorKwargs
-    # the tokenizer's own padding_side, when it was set explicitly, takes precedence (transformers' kwargs merge)
+    # left padding for generation; a padding_side the tokenizer was explicitly created with takes precedence
     text_kwargs = {"padding_side": "left"}
 
     def __init__(

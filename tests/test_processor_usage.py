@@ -85,6 +85,13 @@ def test_tokenizer_applies_the_chat_template():
     assert ids == tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+@pytest.mark.parametrize("folder", [DEFAULT, TINY, ROOT / "tests" / "fixtures" / "tiny-text" / "checkpoint"],
+                         ids=lambda folder: folder.parent.name)
+def test_checkpoint_folders_carry_the_template_and_left_padding(folder):
+    assert (folder / "chat_template.jinja").read_text(encoding="utf-8") == DEFAULT_CHAT_TEMPLATE
+    assert json.loads((folder / "tokenizer_config.json").read_text())["padding_side"] == "left"
+
+
 def test_text_generation_pipeline_takes_chat_messages():
     generator = pipeline("text-generation", model=str(DEFAULT))
     out = generator([{"role": "user", "content": "Hello"}], max_new_tokens=2, do_sample=False)
