@@ -6,9 +6,12 @@ transformers==5.24.0`) into `~/.cache/deepseek-v41-tests/` (or `$DEEPSEEK_V41_TE
 extracted, and it is made importable as the package `hf_transformers_tests` (so it never clashes with this repo's
 `tests/`). A failed fetch raises `RuntimeError` with pip's reason: the mixin tests fail loudly, they are not skipped.
 
-The sdist lacks three things its top-level test files import; the harness gives each a stand-in:
+The sdist lacks four things its top-level test files import; the harness gives each a stand-in:
 - `tests/generation/` (`GenerationTesterMixin`) and `tests/exporters/` (`ExportTesterMixin`), imported by
   `test_modeling_common.py`: empty mixin classes (this repo writes its own generation conformance tests);
+- `tests/utils/test_configuration_utils.py` (`config_common_kwargs`, imported by `test_configuration_common.py`):
+  a non-default value for each argument of the installed `PreTrainedConfig.__init__` (ConfigTester checks that a
+  config class passes them through);
 - `utils/fetch_hub_objects_for_ci.py` (`url_to_local_path`, which maps the CI's pre-fetched hub files to local
   paths): image URLs map to a deterministic synthetic PNG of the same name made in the cache (this machine has no hub
   access; the tests that use them check structure, not picture content); other URLs are returned unchanged, as the
@@ -139,18 +142,27 @@ def _stand_in_url_to_local_path(url: str) -> str:
     return str(path)
 
 
+# a non-default value for each argument of transformers 5.24's PreTrainedConfig.__init__
+CONFIG_COMMON_KWARGS = {
+    "architectures": ["DeepseekV41ForCausalLM"], "output_hidden_states": True, "return_dict": False,
+    "dtype": "float16", "chunk_size_feed_forward": 5, "id2label": {0: "label"}, "label2id": {"label": 0},
+    "problem_type": "regression",
+}
+
+
 def _install_stand_ins(tests_dir: Path) -> None:
     fetch = types.ModuleType("fetch_hub_objects_for_ci")
     fetch.url_to_local_path = _stand_in_url_to_local_path
     sys.modules.setdefault("fetch_hub_objects_for_ci", fetch)
-    for sub, module_name, class_name in (
-        ("generation", "test_utils", "GenerationTesterMixin"),
-        ("exporters", "test_export", "ExportTesterMixin"),
+    for sub, module_name, name, value in (
+        ("generation", "test_utils", "GenerationTesterMixin", None),
+        ("exporters", "test_export", "ExportTesterMixin", None),
+        ("utils", "test_configuration_utils", "config_common_kwargs", CONFIG_COMMON_KWARGS),
     ):
         package = types.ModuleType(f"{PACKAGE}.{sub}")
         package.__path__ = []
         module = types.ModuleType(f"{PACKAGE}.{sub}.{module_name}")
-        setattr(module, class_name, type(class_name, (), {"__doc__": "stand-in: not in the sdist"}))
+        setattr(module, name, value if value is not None else type(name, (), {"__doc__": "stand-in: not in the sdist"}))
         setattr(package, module_name, module)
         sys.modules.setdefault(package.__name__, package)
         sys.modules.setdefault(module.__name__, module)
