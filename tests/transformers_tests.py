@@ -6,7 +6,7 @@ transformers==5.24.0`) into `~/.cache/deepseek-v41-tests/` (or `$DEEPSEEK_V41_TE
 extracted, and it is made importable as the package `hf_transformers_tests` (so it never clashes with this repo's
 `tests/`). A failed fetch raises `RuntimeError` with pip's reason: the mixin tests fail loudly, they are not skipped.
 
-The sdist lacks four things its top-level test files import; the harness gives each a stand-in:
+The sdist lacks the empty `tests/__init__.py` (created in the cache) and four things its top-level test files import; the harness gives each a stand-in:
 - `tests/generation/` (`GenerationTesterMixin`) and `tests/exporters/` (`ExportTesterMixin`), imported by
   `test_modeling_common.py`: empty mixin classes (this repo writes its own generation conformance tests);
 - `tests/utils/test_configuration_utils.py` (`config_common_kwargs`, imported by `test_configuration_common.py`):
@@ -177,6 +177,8 @@ def load_transformers_tests(module: str) -> types.ModuleType:
                            f"installed is {transformers.__version__}.")
     if PACKAGE not in sys.modules:
         tests_dir = _fetch_sdist() / "tests"
+        # the repository's tests/__init__.py is empty and the sdist leaves it out; test_configuration_common reads it
+        (tests_dir / "__init__.py").touch(exist_ok=True)
         package = types.ModuleType(PACKAGE)
         package.__path__ = [str(tests_dir)]
         package.__file__ = str(tests_dir / "__init__.py")
