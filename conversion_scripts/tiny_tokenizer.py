@@ -14,6 +14,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from processing import DEFAULT_CHAT_TEMPLATE
+
 BOS_TOKEN = "<｜begin▁of▁sentence｜>"
 EOS_TOKEN = "<｜end▁of▁sentence｜>"
 PAD_TOKEN = "<｜▁pad▁｜>"
@@ -115,7 +117,9 @@ def build_tiny_tokenizer(vocab_size: int = 512, text: str | None = None, seed: i
 
 def save_tiny_tokenizer(out_dir: str | Path, vocab_size: int = 512, text: str | None = None, seed: int = 0,
                         model_max_length: int = 65536) -> TinyTokenizerIds:
-    """Build the tokenizer and write tokenizer.json + tokenizer_config.json (PreTrainedTokenizerFast) to out_dir."""
+    """Build the tokenizer and write tokenizer.json, tokenizer_config.json (PreTrainedTokenizerFast, left padding as
+    a decoder-only model generates) and the chat template (chat_template.jinja, which AutoTokenizer and
+    AutoProcessor both load) to out_dir."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tiny_tokenizer(vocab_size, text, seed)
@@ -123,10 +127,11 @@ def save_tiny_tokenizer(out_dir: str | Path, vocab_size: int = 512, text: str | 
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN,
         "pad_token": PAD_TOKEN, "add_bos_token": True, "add_eos_token": False,
-        "clean_up_tokenization_spaces": False, "model_max_length": model_max_length,
+        "clean_up_tokenization_spaces": False, "model_max_length": model_max_length, "padding_side": "left",
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n",
                                                    encoding="utf-8")
+    (out_dir / "chat_template.jinja").write_text(DEFAULT_CHAT_TEMPLATE, encoding="utf-8")
     return TinyTokenizerIds(
         vocab_size=vocab_size, bos_token_id=0, eos_token_id=1, pad_token_id=2,
         image_token_id=tokenizer.token_to_id(IMAGE_TOKEN), noise_token_id=tokenizer.token_to_id(NOISE_TOKEN),

@@ -9,12 +9,18 @@ from .image_processing_deepseek_v41 import (
     TOKEN_TYPE_IMAGE_START,
     TOKEN_TYPE_TEXT,
     DeepseekV41ImageProcessor,
+    DeepseekV41ImageProcessorKwargs,
     ImagePlan,
     plan_image,
     span_length,
     span_token_types,
 )
-from .processing_deepseek_v41 import DEFAULT_CHAT_TEMPLATE, IMAGE_PLACEHOLDER, DeepseekV41Processor
+from .processing_deepseek_v41 import (
+    DEFAULT_CHAT_TEMPLATE,
+    IMAGE_PLACEHOLDER,
+    DeepseekV41Processor,
+    DeepseekV41ProcessorKwargs,
+)
 
 MODEL_TYPE = "deepseek_v41"
 
@@ -49,7 +55,9 @@ __all__ = [
     "TOKEN_TYPE_IMAGE_START",
     "TOKEN_TYPE_TEXT",
     "DeepseekV41ImageProcessor",
+    "DeepseekV41ImageProcessorKwargs",
     "DeepseekV41Processor",
+    "DeepseekV41ProcessorKwargs",
     "ImagePlan",
     "plan_image",
     "register_processing",

@@ -1,24 +1,22 @@
 """Image processor of DeepSeek-V4.1: the released resize plan, gray padding, [-1, 1] normalization, ViT patches."""
 
-from __future__ import annotations
-
-import base64
-import binascii
-import io
+import itertools
 import json
 import math
 import os
 from dataclasses import dataclass
 from typing import Any
-from urllib.request import urlopen
 
 import numpy as np
 import torch
 from PIL import Image, ImageOps
 from transformers.feature_extraction_utils import BatchFeature
-from transformers.image_processing_utils import BaseImageProcessor
-from transformers.processing_utils import ImagesKwargs
+from transformers.image_processing_backends import PilBackend
+from transformers.image_utils import PILImageResampling
+from transformers.processing_utils import ImagesKwargs, Unpack
 from transformers.utils import cached_file
+
+from .image_loading import decode_image
 
 # token types of an image span; text positions are TOKEN_TYPE_TEXT
 TOKEN_TYPE_TEXT = -1
@@ -115,49 +113,15 @@ def plan_image(
     return ImagePlan(best_h, best_w, best_h // patch_size, best_w // patch_size, n_llm_h, n_llm_w)
 
 
-def _read_image_source(source: str) -> bytes:
-    """The bytes behind a URL, a data URL, a file path or a base64 string."""
-    if source.startswith(("http://", "https://")):
-        with urlopen(source, timeout=30) as response:
-            return response.read()
-    if source.startswith("data:"):
-        header, _, payload = source.partition(",")
-        if ";base64" not in header:
-            raise ValueError(f"only base64 data URLs are supported, got a data URL with header {header!r}")
-        return base64.b64decode(payload)
-    if os.path.isfile(source):
-        with open(source, "rb") as file:
-            return file.read()
-    try:
-        return base64.b64decode(source, validate=True)
-    except (binascii.Error, ValueError):
-        raise ValueError(f"{source[:80]!r} is neither an existing file, a URL, nor base64 image data") from None
+class DeepseekV41ImageProcessorKwargs(ImagesKwargs, total=False):
+    r"""
+    patch_size (`int`, defaults to 14): side of a ViT patch in pixels.
+    downsample_ratio (`int`, defaults to 3): ViT patches merged into one LLM position along each side.
+    min_pixels (`int`, defaults to 295936): images with fewer pixels are scaled up to about this many.
+    max_image_tokens (`int`, defaults to 1024): the longest image span (start, rows of tokens plus a newline, end).
+    max_wh_ratio (`float`, *optional*): a width beyond `height * max_wh_ratio` is squeezed (plain resize, no padding).
+    """
 
-
-def load_rgb_image(image: Any) -> Image.Image:
-    """Decode one image input (PIL image, path, URL, data URL, base64 string, bytes, HWC uint8 array) to RGB."""
-    if isinstance(image, Image.Image):
-        image.load()
-        return image.convert("RGB")
-    if isinstance(image, torch.Tensor):
-        image = image.numpy()
-        if image.ndim == 3 and image.shape[0] in (1, 3, 4) and image.shape[-1] not in (1, 3, 4):
-            image = np.moveaxis(image, 0, -1)  # channels-first tensor
-    if isinstance(image, np.ndarray):
-        if image.dtype != np.uint8:
-            raise ValueError(f"array images must be uint8 [H, W, C] pixels, got dtype {image.dtype}")
-        return Image.fromarray(image.squeeze(-1) if image.ndim == 3 and image.shape[-1] == 1 else image).convert("RGB")
-    if isinstance(image, str):
-        data = _read_image_source(image)
-    elif isinstance(image, (bytes, bytearray)):
-        data = bytes(image)
-    else:
-        raise ValueError(f"unsupported image input of type {type(image).__name__}")
-    with Image.open(io.BytesIO(data)) as decoded:
-        return decoded.convert("RGB")
-
-
-class DeepseekV41ImagesKwargs(ImagesKwargs, total=False):
     patch_size: int
     downsample_ratio: int
     min_pixels: int
@@ -165,14 +129,28 @@ class DeepseekV41ImagesKwargs(ImagesKwargs, total=False):
     max_wh_ratio: float | None
 
 
-class DeepseekV41ImageProcessor(BaseImageProcessor):
+# standard kwargs that have no meaning for the tiling plan: each image's size comes from the plan
+_NOT_APPLICABLE = {
+    "size": "each image's size is planned from min_pixels and max_image_tokens; set those instead",
+    "crop_size": "images are padded into their planned size, never cropped",
+    "do_center_crop": "images are padded into their planned size, never cropped",
+    "pad_size": "each image is padded (gray, centred) to its own planned size",
+    "do_pad": "each image is padded (gray, centred) to its own planned size",
+}
+
+
+class DeepseekV41ImageProcessor(PilBackend):
     """Turns images into DeepSeek-ViT patches, following the official preprocessing exactly.
 
-    Each image is planned from its size (see `plan_image`), padded into `(best_w, best_h)` with
-    `ImageOps.pad` (aspect kept, centred, bicubic, gray 127 fill; a plain resize when `max_wh_ratio` clips the
-    width), normalized to `(x / 255 - 0.5) / 0.5` in bf16 and cut into `[3, p, p]` patches in row-major order.
+    Each image is decoded upright (EXIF orientation applied, 16-bit samples scaled to 8 bits, see `image_loading`),
+    converted to RGB with transparency composited onto white (transformers' `convert_to_rgb`: a transparent
+    background reads as the white page it is usually shown on, where black would invent dark content), planned from
+    its size (see `plan_image`), padded into `(best_w, best_h)` with `ImageOps.pad` (aspect kept, centred, `resample`
+    = bicubic, gray 127 fill; a plain resize when `max_wh_ratio` clips the width), rescaled by `rescale_factor`,
+    normalized with `image_mean`/`image_std` ([-1, 1] by default), cast to bf16 and cut into `[3, p, p]` patches in
+    row-major order.
 
-    Output (`BatchFeature`):
+    Output (`BatchFeature`, always torch tensors: bf16 has no numpy dtype):
         - `pixel_values`: bf16 `[sum of n_vit_h * n_vit_w, 3, p, p]`, the patches of all images concatenated.
         - `image_grids`: int64 `[n_images, 4]`, per image `(n_vit_h, n_vit_w, n_llm_h, n_llm_w)`.
 
@@ -180,29 +158,41 @@ class DeepseekV41ImageProcessor(BaseImageProcessor):
     `config.json` when the folder has no `preprocessor_config.json` (the hub layout).
     """
 
+    do_convert_rgb = True
+    do_resize = True
+    resample = PILImageResampling.BICUBIC
+    do_rescale = True
+    rescale_factor = 1 / 255
+    do_normalize = True
+    image_mean = [0.5, 0.5, 0.5]
+    image_std = [0.5, 0.5, 0.5]
+    patch_size = 14
+    downsample_ratio = 3
+    min_pixels = 295936
+    max_image_tokens = 1024
+    max_wh_ratio = None
+    valid_kwargs = DeepseekV41ImageProcessorKwargs
     model_input_names = ["pixel_values", "image_grids"]
-    valid_kwargs = DeepseekV41ImagesKwargs
 
-    def __init__(
-        self,
-        patch_size: int = 14,
-        downsample_ratio: int = 3,
-        min_pixels: int = 295936,
-        max_image_tokens: int = 1024,
-        max_wh_ratio: float | None = None,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, **kwargs: Unpack[DeepseekV41ImageProcessorKwargs]) -> None:
         super().__init__(**kwargs)
+        self._validate_plan_settings(self.patch_size, self.downsample_ratio, self.min_pixels, self.max_image_tokens,
+                                     self.max_wh_ratio)
+
+    @staticmethod
+    def _validate_plan_settings(patch_size, downsample_ratio, min_pixels, max_image_tokens, max_wh_ratio) -> None:
         if max_image_tokens < 5:
             raise ValueError(f"max_image_tokens must be at least 5 (one cell plus delimiters), got {max_image_tokens}")
-        self.patch_size = patch_size
-        self.downsample_ratio = downsample_ratio
-        self.min_pixels = min_pixels
-        self.max_image_tokens = max_image_tokens
-        self.max_wh_ratio = max_wh_ratio
+        for name, value in (("patch_size", patch_size), ("downsample_ratio", downsample_ratio)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if min_pixels < 0:
+            raise ValueError(f"min_pixels must be >= 0, got {min_pixels}")
+        if max_wh_ratio is not None and max_wh_ratio <= 0:
+            raise ValueError(f"max_wh_ratio must be positive or None, got {max_wh_ratio}")
 
     @classmethod
-    def from_vision_config(cls, vision_config: Any, **kwargs: Any) -> DeepseekV41ImageProcessor:
+    def from_vision_config(cls, vision_config: Any, **kwargs: Any) -> "DeepseekV41ImageProcessor":
         """Settings from a vision config object or dict (the hub's `vision_config` key names)."""
         if not isinstance(vision_config, dict):
             vision_config = vision_config.to_dict()
@@ -233,8 +223,7 @@ class DeepseekV41ImageProcessor(BaseImageProcessor):
             with open(processor_file, encoding="utf-8") as file:
                 saved = json.load(file).get("image_processor")
             if isinstance(saved, dict):
-                settings = {k: v for k, v in saved.items() if k != "image_processor_type"}
-                return cls(**{**settings, **overrides})
+                return cls.from_dict({**saved, **overrides})
         config_file = find("config.json")
         if config_file is None:
             raise OSError(
@@ -254,46 +243,100 @@ class DeepseekV41ImageProcessor(BaseImageProcessor):
             min_pixels=self.min_pixels, max_image_tokens=self.max_image_tokens, max_wh_ratio=self.max_wh_ratio,
         )
 
-    def process_one(self, image: Any) -> tuple[torch.Tensor, ImagePlan]:
-        """Patches `[n_vit_h * n_vit_w, 3, p, p]` (bf16) and the plan of one image input."""
-        try:
-            image = load_rgb_image(image)
-        except Exception as error:  # any decoder failure (corrupt data can raise many types) is the input's fault
-            raise ValueError(f"Could not decode the image: {error}") from error
-        if image.width == 0 or image.height == 0:
-            raise ValueError(f"The image is empty ({image.width}x{image.height} pixels); give an image with pixels.")
-        plan = self.plan(image.width, image.height)
-        size = (plan.best_w, plan.best_h)
-        if self.max_wh_ratio is not None and image.width >= self.max_wh_ratio * image.height:
-            image = image.resize(size)
-        else:
-            image = ImageOps.pad(image, size, color=PAD_COLOR)
-        pixels = torch.from_numpy(np.asarray(image, dtype=np.float32)).permute(2, 0, 1) / 255
-        pixels = ((pixels - 0.5) / 0.5).to(torch.bfloat16)
-        p = self.patch_size
-        patches = pixels.reshape(3, plan.n_vit_h, p, plan.n_vit_w, p).permute(1, 3, 0, 2, 4)
-        return patches.reshape(plan.n_vit_h * plan.n_vit_w, 3, p, p), plan
+    def fetch_images(self, images: Any) -> Any:
+        """Decode every image input (paths, URLs, bytes, `datasets` dicts, PIL images), keeping the nesting; an
+        undecodable one is a ValueError naming its position in prompt order."""
+        counter = itertools.count()
 
-    def preprocess(self, images: Any, return_tensors: str | None = None, **kwargs: Any) -> BatchFeature:
-        """Process one image or a (possibly nested) list of images, in order.
+        def fetch(item: Any) -> Any:
+            if isinstance(item, (list, tuple)):
+                return [fetch(inner) for inner in item]
+            index = next(counter)
+            try:
+                return decode_image(item)
+            except Exception as error:  # any decoder failure (corrupt data can raise many types) is the input's
+                raise ValueError(f"Image {index}: Could not decode the image: {error}") from error
 
-        Outputs are always torch tensors (bf16 pixels have no numpy dtype); `return_tensors` is accepted for
-        API compatibility only.
-        """
-        flat = list(_flatten_images(images))
-        if not flat:
+        return fetch(images)
+
+    def _prepare_images_structure(self, images: Any, expected_ndims: int = 3) -> list[Any]:
+        """One flat list in prompt order, whatever the nesting (a 4-d array or tensor is a batch of images)."""
+        flat = []
+        for image in _flatten_images(self.fetch_images(images)):
+            is_batch = isinstance(image, (np.ndarray, torch.Tensor)) and image.ndim == expected_ndims + 1
+            flat.extend(list(image) if is_batch else [image])
+        return flat
+
+    def _validate_preprocess_kwargs(self, **kwargs: Any) -> None:
+        for name, reason in _NOT_APPLICABLE.items():
+            if kwargs.get(name):
+                raise ValueError(f"`{name}` does not apply to the DeepSeek-V4.1 image processor: {reason}.")
+        if kwargs.get("do_resize") is False:
+            raise ValueError("do_resize=False is not supported: DeepSeek-ViT needs each image at its planned size.")
+        if kwargs.get("do_rescale") and kwargs.get("rescale_factor") is None:
+            raise ValueError("`rescale_factor` must be set when `do_rescale` is True.")
+        if kwargs.get("do_normalize") and (kwargs.get("image_mean") is None or kwargs.get("image_std") is None):
+            raise ValueError("`image_mean` and `image_std` must both be set when `do_normalize` is True.")
+        if kwargs.get("return_tensors") not in (None, "pt"):
+            raise ValueError(f"return_tensors={kwargs['return_tensors']!r} is not supported: pixel_values are bf16, "
+                             "which numpy cannot hold; use 'pt' (or leave it out).")
+        self._validate_plan_settings(kwargs["patch_size"], kwargs["downsample_ratio"], kwargs["min_pixels"],
+                                     kwargs["max_image_tokens"], kwargs["max_wh_ratio"])
+
+    def _preprocess(
+        self,
+        images: list[np.ndarray],
+        resample: PILImageResampling | int,
+        do_rescale: bool,
+        rescale_factor: float,
+        do_normalize: bool,
+        image_mean: tuple[float, ...],
+        image_std: tuple[float, ...],
+        patch_size: int,
+        downsample_ratio: int,
+        min_pixels: int,
+        max_image_tokens: int,
+        max_wh_ratio: float | None,
+        **kwargs: Any,
+    ) -> BatchFeature:
+        if not images:
             raise ValueError("No images were given to the image processor.")
         patches, grids = [], []
-        for index, image in enumerate(flat):
-            try:
-                image_patches, plan = self.process_one(image)
-            except ValueError as error:
-                raise ValueError(f"Image {index}: {error}") from error
-            patches.append(image_patches)
+        for index, image in enumerate(images):
+            if image.dtype != np.uint8 or image.ndim != 3 or image.shape[0] != 3:
+                raise ValueError(
+                    f"Image {index}: DeepSeek-ViT takes 8-bit RGB pixels; got an array of dtype {image.dtype} and "
+                    f"shape {tuple(image.shape)} (channels first). Pass uint8 images, and keep do_convert_rgb=True "
+                    "for grayscale or RGBA input."
+                )
+            height, width = image.shape[1:]
+            if width == 0 or height == 0:
+                raise ValueError(f"Image {index}: The image is empty ({width}x{height} pixels); give an image with "
+                                 "pixels.")
+            plan = plan_image(width, height, patch_size=patch_size, downsample_ratio=downsample_ratio,
+                              min_pixels=min_pixels, max_image_tokens=max_image_tokens, max_wh_ratio=max_wh_ratio)
+            pil = Image.fromarray(np.ascontiguousarray(np.moveaxis(image, 0, -1)))
+            size = (plan.best_w, plan.best_h)
+            if max_wh_ratio is not None and width >= max_wh_ratio * height:
+                pil = pil.resize(size, resample=resample)
+            else:
+                pil = ImageOps.pad(pil, size, method=resample, color=PAD_COLOR)
+            pixels = torch.from_numpy(np.array(pil)).permute(2, 0, 1)
+            if do_rescale:
+                # in float64, then float32: equal to the reference's float32 x / 255 for every 8-bit value
+                pixels = (pixels.double() * rescale_factor).float()
+            else:
+                pixels = pixels.float()
+            if do_normalize:
+                mean = torch.tensor(image_mean, dtype=torch.float32).view(-1, 1, 1)
+                std = torch.tensor(image_std, dtype=torch.float32).view(-1, 1, 1)
+                pixels = (pixels - mean) / std
+            p = patch_size
+            cut = pixels.to(torch.bfloat16).reshape(3, plan.n_vit_h, p, plan.n_vit_w, p).permute(1, 3, 0, 2, 4)
+            patches.append(cut.reshape(plan.n_vit_h * plan.n_vit_w, 3, p, p))
             grids.append([plan.n_vit_h, plan.n_vit_w, plan.n_llm_h, plan.n_llm_w])
-        data = {"pixel_values": torch.cat(patches), "image_grids": torch.tensor(grids, dtype=torch.int64)}
-        # always torch: bf16 has no numpy dtype
-        return BatchFeature(data=data)
+        return BatchFeature(data={"pixel_values": torch.cat(patches),
+                                  "image_grids": torch.tensor(grids, dtype=torch.int64)})
 
 
 def _flatten_images(images: Any):

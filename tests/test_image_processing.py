@@ -138,3 +138,58 @@ def test_random_bytes_fuzz_never_crashes_deep_inside():
 def test_empty_image_is_a_clear_error():
     with pytest.raises(ValueError, match="The image is empty"):
         DeepseekV41ImageProcessor(**SETTINGS)(Image.new("RGB", (0, 0)))
+
+
+# issue 19: images decoded as transformers' own loading does (EXIF orientation, 16-bit, transparency)
+
+
+def _saved(image: Image.Image, fmt: str, **save_kwargs) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt, **save_kwargs)
+    return buffer.getvalue()
+
+
+def test_16_bit_grayscale_png_is_scaled_not_clipped():
+    processor = DeepseekV41ImageProcessor(**SETTINGS)
+    levels = np.array([[0, 16384, 32768, 65535]], dtype=np.uint16).repeat(40, axis=0).repeat(10, axis=1)
+    sixteen = Image.fromarray(levels)
+    assert sixteen.mode == "I;16"
+    eight = Image.fromarray(np.round(levels / 257).astype(np.uint8))  # the same picture in 8 bits
+    from_png = processor(_saved(sixteen, "PNG"))["pixel_values"]
+    assert torch.equal(from_png, processor(eight)["pixel_values"])
+    assert float(from_png.float().mean()) < 0.5  # a mid-gray picture, not almost all white
+
+
+def test_exif_orientation_is_applied():
+    processor = DeepseekV41ImageProcessor(**SETTINGS)
+    upright = Image.new("RGB", (40, 120), (220, 20, 20))
+    upright.paste((20, 20, 220), (0, 60, 40, 120))  # red top half, blue bottom half
+    exif = Image.Exif()
+    exif[0x0112] = 6  # display rotated 90 degrees clockwise
+    stored_sideways = upright.rotate(90, expand=True)  # what the camera wrote: 120 x 40
+    rotated = processor(_saved(stored_sideways, "JPEG", exif=exif.tobytes(), quality=95))
+    reference = processor(_saved(upright, "JPEG", quality=95))
+    assert torch.equal(rotated["image_grids"], reference["image_grids"])
+    assert rotated["image_grids"][0, 0] > rotated["image_grids"][0, 1]  # taller than wide, as shown
+    difference = (rotated["pixel_values"].float() - reference["pixel_values"].float()).abs().mean()
+    assert float(difference) < 0.05
+
+
+def test_transparent_pixels_are_composited_on_white():
+    processor = DeepseekV41ImageProcessor(**SETTINGS)
+    clear = Image.new("RGBA", (56, 56), (0, 0, 0, 0))  # fully transparent black; square, so no gray padding
+    clear.paste((0, 0, 255, 255), (0, 0, 28, 56))  # opaque blue left half
+    pixels = processor(_saved(clear, "PNG"))["pixel_values"].float()
+    values = {tuple(v) for v in pixels.permute(0, 2, 3, 1).reshape(-1, 3).tolist()}
+    assert (1.0, 1.0, 1.0) in values  # white where transparent
+    assert (0.0, 0.0, 0.0) not in values and (-1.0, -1.0, -1.0) not in values  # never black
+    assert (-1.0, -1.0, 1.0) in values  # the opaque blue kept
+
+
+def test_undecodable_image_error_names_it():
+    processor = DeepseekV41ImageProcessor(**SETTINGS)
+    good = _saved(Image.new("RGB", (20, 20)), "PNG")
+    with pytest.raises(ValueError, match=r"Image 2: Could not decode the image"):
+        processor([good, [good, b"\x89PNG broken"]])
+    with pytest.raises(ValueError, match=r"Image 0: .*'bytes' or 'path'"):
+        processor({"bytes": None, "path": None})

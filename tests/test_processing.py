@@ -70,17 +70,17 @@ def test_image_count_must_match_placeholders_before_any_work(processor):
         processor(text=[text, "no image"], images=[[], [IMAGE]])
 
 
-def test_batch_is_padded_on_the_tokenizer_side(processor):
+def test_batch_is_left_padded_by_default(processor):
     texts = [f"Look: {PLACEHOLDER}", "Plain text only, a little longer than the other one is."]
-    out = processor(text=texts, images=[IMAGE], return_tensors="pt")
+    out = processor(text=texts, images=[IMAGE], padding=True, return_tensors="pt")
     ids, types, mask = out["input_ids"], out["token_types"], out["attention_mask"]
     assert ids.shape == types.shape == mask.shape and ids.shape[0] == 2
     lengths = mask.sum(-1).tolist()
     for row, length in enumerate(lengths):
         pad = ids.shape[1] - length
-        padded = slice(0, pad) if processor.tokenizer.padding_side == "left" else slice(length, None)
-        assert (ids[row, padded] == processor.tokenizer.pad_token_id).all()
-        assert (types[row, padded] == -1).all()
+        assert (ids[row, :pad] == processor.tokenizer.pad_token_id).all() and (mask[row, :pad] == 0).all()
+        assert (types[row, :pad] == -1).all() and (mask[row, pad:] == 1).all()
+    assert min(lengths) < ids.shape[1]
     assert int((types == 1).sum()) == META["images"][0]["n_llm_h"] * META["images"][0]["n_llm_w"]
 
 
