@@ -21,7 +21,7 @@ setup(
         "numpy>=1.26",
     ],
     extras_require={
-        "test": ["pytest>=8", "peft==0.21.2"],
+        "test": ["pytest>=8", "peft==0.21.2", "parameterized==0.9.0", "triton>=3.4; platform_system == \"Linux\""],
         "train": ["peft==0.21.2"],
         "bench": ["matplotlib>=3.8"],
     },
