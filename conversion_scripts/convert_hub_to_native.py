@@ -8,8 +8,10 @@
   `convert_native_to_hub` can reproduce the hub's bytes exactly.
 - `--weight-mode quantized`: the FP8/FP4 bytes and scales are kept, with the quantization_config.
 In both modes fp32-held tensors are written in fp32 and `engram_token_map` is built from the source tokenizer.
+NaN/Inf values (FP8 NaN codes and E8M0 0xFF scales included) are refused, naming the tensor, unless
+`--keep-non-finite`. An interrupted run resumes: finished shards are reused only if their sha256 still matches.
 Exit codes: 0 done, 1 conversion failed (the temporary folder is kept; rerun to resume), 2 bad arguments,
-3 invalid source checkpoint (nothing written), 4 destination exists.
+3 invalid source checkpoint (nothing written), 4 destination exists, 5 non-finite weights refused.
 """
 
 from __future__ import annotations
@@ -77,10 +79,12 @@ def build_groups(src: Path, config, weight_mode: str, keep_hub_scales: bool, chu
 
 def convert_hub_to_native(src: str | Path, dst: str | Path, weight_mode: str = "bf16", keep_hub_scales: bool = True,
                           max_shard_size: str | int | None = None, progress: bool = True,
-                          chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Path:
+                          chunk_bytes: int = DEFAULT_CHUNK_BYTES, keep_non_finite: bool = False) -> Path:
     """Convert the hub checkpoint in `src` to the native layout in `dst` (atomic; an interrupted run resumes).
 
-    Raises CheckpointError before writing anything when the source is incomplete or does not match its config."""
+    Raises CheckpointError before writing anything when the source is incomplete or does not match its config,
+    and NonFiniteWeightError (naming the tensor) on NaN/Inf values (FP8 NaN codes and E8M0 0xFF scales
+    included) unless `keep_non_finite`."""
     if weight_mode not in ("bf16", "quantized"):
         raise ValueError(f"weight_mode must be 'bf16' or 'quantized', got {weight_mode!r}")
     src, dst = Path(src), Path(dst)
@@ -98,9 +102,10 @@ def convert_hub_to_native(src: str | Path, dst: str | Path, weight_mode: str = "
         copy_auxiliary_files(src, folder)
         write_native_config(folder, native)
 
-    fingerprint = plan_fingerprint(shards, ["hub_to_native", weight_mode, keep_hub_scales,
+    fingerprint = plan_fingerprint(shards, ["hub_to_native", weight_mode, keep_hub_scales, keep_non_finite,
                                             source_identity([src / f for f in files])])
-    return write_shards(dst, shards, finalize, fingerprint, progress, f"hub -> native ({weight_mode})")
+    return write_shards(dst, shards, finalize, fingerprint, progress, f"hub -> native ({weight_mode})",
+                        keep_non_finite)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def convert(args) -> Path:
         return convert_hub_to_native(args.src, args.dst, args.weight_mode, not args.no_hub_scales,
-                                     args.max_shard_size, not args.quiet)
+                                     args.max_shard_size, not args.quiet, keep_non_finite=args.keep_non_finite)
 
     return run_cli(__doc__, add_arguments, convert, argv)
 

@@ -7,8 +7,10 @@ FP4 routed experts with E8M0 per-32 scales, FP8 Engram rows. Where the source ke
 (`hub_scales-*.safetensors`, written by convert_hub_to_native), every tile those scales represent exactly keeps
 them, so an unmodified checkpoint goes back to the hub's exact bytes. Quantized native weights are copied as they
 are. fp32-held tensors are stored bf16, `engram_token_map` is dropped, and config.json gets the hub's
-`quantization_config`. Exit codes: 0 done, 1 conversion failed (rerun to resume), 2 bad arguments, 3 invalid source
-checkpoint (nothing written), 4 destination exists.
+`quantization_config`. NaN/Inf weights are refused, naming the tensor, unless `--keep-non-finite` (FP8 would
+saturate an Inf silently). An interrupted run resumes: finished shards are reused only if their sha256 still
+matches. Exit codes: 0 done, 1 conversion failed (rerun to resume), 2 bad arguments, 3 invalid source checkpoint
+(nothing written), 4 destination exists, 5 non-finite weights refused.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def hub_scale_priors(src: Path, expected: dict) -> dict[str, TensorSource]:
     return priors
 
 
-def build_groups(src: Path, config, chunk_bytes: int) -> list[OutputGroup]:
+def build_groups(src: Path, config, chunk_bytes: int, keep_non_finite: bool = False) -> list[OutputGroup]:
     """Output groups in source order; validates the source first (raises CheckpointError, naming the problem)."""
     from modeling_deepseek_v41.checkpoint_layout import expected_tensors
 
@@ -62,7 +64,8 @@ def build_groups(src: Path, config, chunk_bytes: int) -> list[OutputGroup]:
         if name in kinds:
             scale = scale_name(name)
             planned = [PlannedTensor(name, shape, dtype), PlannedTensor(scale, *expected[scale])]
-            produce = partial(quantize, kinds[name], source, name, scale, priors.get(scale), chunk_bytes)
+            produce = partial(quantize, kinds[name], source, name, scale, priors.get(scale), chunk_bytes,
+                              keep_non_finite=keep_non_finite)
         else:
             planned = [PlannedTensor(name, shape, dtype)]
             produce = partial(copy_cast, source, name, dtype, chunk_bytes)
@@ -73,13 +76,15 @@ def build_groups(src: Path, config, chunk_bytes: int) -> list[OutputGroup]:
 
 
 def convert_native_to_hub(src: str | Path, dst: str | Path, max_shard_size: str | int | None = None,
-                          progress: bool = True, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Path:
+                          progress: bool = True, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                          keep_non_finite: bool = False) -> Path:
     """Convert the native checkpoint in `src` to the hub layout in `dst` (atomic; an interrupted run resumes).
 
-    Raises CheckpointError before writing anything when the source is incomplete or does not match its config."""
+    Raises CheckpointError before writing anything when the source is incomplete or does not match its config,
+    and NonFiniteWeightError (naming the tensor) on NaN/Inf weights unless `keep_non_finite`."""
     src, dst = Path(src), Path(dst)
     config = load_config(src)
-    groups = build_groups(src, config, chunk_bytes)
+    groups = build_groups(src, config, chunk_bytes, keep_non_finite)
     shards = plan_shards(groups, parse_size(max_shard_size))
     hub = with_weight_mode(config, "quantized")
     files = sorted({g.source_shard for g in groups})
@@ -90,15 +95,17 @@ def convert_native_to_hub(src: str | Path, dst: str | Path, max_shard_size: str 
         copy_auxiliary_files(src, folder)
         write_hub_config(folder, hub)
 
-    fingerprint = plan_fingerprint(shards, ["native_to_hub", source_identity([src / f for f in files + sidecars])])
-    return write_shards(dst, shards, finalize, fingerprint, progress, "native -> hub")
+    fingerprint = plan_fingerprint(shards, ["native_to_hub", keep_non_finite,
+                                            source_identity([src / f for f in files + sidecars])])
+    return write_shards(dst, shards, finalize, fingerprint, progress, "native -> hub", keep_non_finite)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; returns the exit code."""
 
     def convert(args) -> Path:
-        return convert_native_to_hub(args.src, args.dst, args.max_shard_size, not args.quiet)
+        return convert_native_to_hub(args.src, args.dst, args.max_shard_size, not args.quiet,
+                                     keep_non_finite=args.keep_non_finite)
 
     return run_cli(__doc__, lambda parser: None, convert, argv)
 

@@ -18,7 +18,7 @@ from modeling_deepseek_v41.numerics import (
 
 from .layout import KIND_FP4, KIND_FP8_TILE
 from .safetensors_io import TensorSource
-from .streaming import Piece
+from .streaming import Piece, check_finite
 
 DEFAULT_CHUNK_BYTES = 16 * 2**20  # fp32 bytes of one chunk of dense rows
 
@@ -110,14 +110,17 @@ def _quantize_groups(dense: torch.Tensor, prior: torch.Tensor | None, fp4: bool)
 
 
 def quantize(kind: str, dense: TensorSource, weight_name: str, scale_name: str, prior: TensorSource | None = None,
-             chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[Piece]:
+             chunk_bytes: int = DEFAULT_CHUNK_BYTES, keep_non_finite: bool = False) -> Iterator[Piece]:
     """Quantize a dense weight to the hub's storage (the numerics module's rules), yielding weight and scale pieces.
 
     With `prior` (the scales the hub checkpoint had), every tile or group that those scales represent exactly keeps
     them, so a dequantized checkpoint goes back to the very same bytes; other tiles get fresh power-of-two scales.
+    NaN/Inf in the dense weight are refused (naming it) unless `keep_non_finite`: FP8 saturates Inf silently.
     """
     for start, stop in row_chunks(dense.rows, _dense_row_values(dense, None), chunk_bytes):
         rows = dense.read_rows(start, stop)
+        if not keep_non_finite:
+            check_finite(weight_name, start, rows)
         if kind == KIND_FP8_TILE:
             scale_start = start // WEIGHT_BLOCK
             old = prior.read_rows(scale_start, -(-stop // WEIGHT_BLOCK)) if prior is not None else None

@@ -7,6 +7,7 @@ from typing import Any
 
 from transformers import PreTrainedConfig
 
+from .config_validation import ValidatedConfig
 from .layer_plan import LayerPlan
 
 WEIGHT_MODES = ("quantized", "bf16")
@@ -20,7 +21,7 @@ def check_engram_storage(storage: str) -> str:
     return storage
 
 
-class DeepseekV41TextConfig(PreTrainedConfig):
+class DeepseekV41TextConfig(ValidatedConfig, PreTrainedConfig):
     """The text backbone, its CSA2 layer schedule, Engram and the DSpark drafter.
 
     Key names are the hub's `text_config` names. The defaults are the released DeepSeek-V4.1-Flash. The layer
@@ -188,7 +189,7 @@ class DeepseekV41TextConfig(PreTrainedConfig):
         return int(self.rope_scaling.get("original_max_position_embeddings", 0))
 
 
-class DeepseekV41VisionConfig(PreTrainedConfig):
+class DeepseekV41VisionConfig(ValidatedConfig, PreTrainedConfig):
     """DeepSeek-ViT and the 3x3 pixel-unshuffle aligner. Key names are the hub's `vision_config` names."""
 
     model_type = "deepseek_v41_vision"
@@ -227,7 +228,7 @@ class DeepseekV41VisionConfig(PreTrainedConfig):
             )
 
 
-class DeepseekV41Config(PreTrainedConfig):
+class DeepseekV41Config(ValidatedConfig, PreTrainedConfig):
     """The hub's `config.json`: a multimodal wrapper holding `text_config` and `vision_config`.
 
     `quantization_config` describes how the checkpoint stores its weights (FP8 e4m3 with E8M0 32x32 block scales,
