@@ -21,8 +21,8 @@ import torch
 from torch.nn import functional as F
 from transformers import Trainer
 
-from modeling_deepseek_v41.hyper_connections import hc_collapse
-from modeling_deepseek_v41.rope import rope_angles
+from modeling_deepseek_v41.layers.hyper_connections import hc_collapse
+from modeling_deepseek_v41.layers.rotary import rope_angles
 
 TEXT = -1
 DSPARK_LOSS_WEIGHTS = (0.1, 0.9, 1.0)  # cross-entropy, L1 distillation, confidence BCE
@@ -132,7 +132,7 @@ def dspark_training_logits(model, input_ids: torch.Tensor, taps: torch.Tensor, a
     anchor_pos = positions.gather(1, anchors)  # [B,A]
     block_pos = anchor_pos.unsqueeze(-1) + 1 + steps
     spec = model.mtp[0].spec
-    inv_freq = model._inv_freq(spec.rope_theta, spec.use_yarn, device)
+    inv_freq = model.rotary.inv_freq(spec.rope_theta, spec.use_yarn, device)
     block_rotation = rope_angles(block_pos.flatten(0, 1), inv_freq)  # [N,K,rope/2]
     tap_rotation = rope_angles(positions.clamp_min(0), inv_freq)  # [B,S,rope/2]
 
