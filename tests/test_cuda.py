@@ -139,4 +139,3 @@ def test_generate_with_cuda_graphs_gives_the_plain_tokens():
         graphed = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
                                  cuda_graphs=True)
         assert torch.equal(plain, graphed)
-    assert model._generation_graphs is None

@@ -11,6 +11,7 @@ from .static import StaticDecodeMixin
 from .storage import Columns, Pool, Ring
 from .persistence import load_cache, save_cache
 from ..config.layer_plan import LayerPlan
+from ..kernels.numerics import compute_dtype
 
 DEFAULT_CROP_HORIZON = 64
 
@@ -37,6 +38,7 @@ class DeepseekV41Cache(KVAccessMixin, StaticDecodeMixin, Cache):
         self.plan = LayerPlan.from_config(self.text_config)
         self.crop_horizon = crop_horizon
         self.config_signature = self.signature_of(self.text_config)
+        self.generation_run = None  # the helpers of the generate() call using this cache, while it runs
         self.reset()
 
     @staticmethod
@@ -96,15 +98,15 @@ class DeepseekV41Cache(KVAccessMixin, StaticDecodeMixin, Cache):
                 "this model (DeepseekV41Cache(model.config)) or pass cache=None."
             )
 
-    def _allocate(self, batch: int, device: torch.device, compute_dtype: torch.dtype) -> None:
+    def _allocate(self, batch: int, device: torch.device, model_dtype: torch.dtype) -> None:
         text = self.text_config
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
         self._history = Columns(batch, torch.long, device)
         self._real = Columns(batch, torch.bool, device)
         self._tokens = Columns(batch, torch.long, device)
-        self.compute_dtype = compute_dtype
+        self.compute_dtype = model_dtype
         # the compressor's projections are fp32 (float64 for a float64 model): keep them in that precision
-        projection_dtype = torch.float64 if compute_dtype == torch.float64 else torch.float32
+        projection_dtype = compute_dtype(model_dtype)
         ring_size = text.sliding_window + self.crop_horizon
         for spec in self.plan.layers + (self.plan.dspark_layers if self.dspark else ()):
             self.rings[spec.layer_id] = Ring(ring_size, text.head_dim, batch, device)

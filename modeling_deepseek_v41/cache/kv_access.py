@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import torch
 
-from .storage import Pool, gather_rows
+from .storage import Pool, gather_rows, list_window
 
 
 class KVAccessMixin:
-    """The per-layer reads and writes of DeepseekV41Cache (its `rings`, `pools` and chunk bookkeeping)."""
+    """The per-layer reads and writes of DeepseekV41Cache (its `rings`, `pools` and chunk bookkeeping): the
+    store interface the attention layers use, which `ChunkStore` also implements for a forward without a cache."""
+
+    decodes_incrementally = True  # steps of a few tokens over cached pools (the indexers may gather candidates)
+    fixed_shapes = True  # the compressor emits a row per group of the chunk; the cache drops the unused ones
 
     def pool_positions(self, positions: torch.Tensor) -> torch.Tensor:
         """Positions that still need pool rows (replayed tokens already have theirs): others become -1."""
@@ -29,13 +33,8 @@ class KVAccessMixin:
             width = min(window, self.chunk_max_length)
         else:
             width = min(window, int(positions.amax()) + 1) if positions.numel() else 0
-        p = positions.unsqueeze(-1)
-        listed = (p - window + 1).clamp_min(0) + torch.arange(max(width, 0), device=positions.device)
-        valid = (listed <= p) & (p >= 0)
-        if floor is not None:
-            valid = valid & (listed >= floor.view(-1, 1, 1))
+        listed, valid, chunk_index = list_window(positions, window, width, floor, offset)
         in_chunk = listed >= start
-        chunk_index = offset + torch.arange(positions.shape[1], device=positions.device).view(1, -1, 1) - (p - listed)
         chunk_index = torch.where(valid & in_chunk, chunk_index, 0)
         ring_slot = torch.where(valid & ~in_chunk, listed % ring.size, 0)
         batch_ids = torch.arange(positions.shape[0], device=positions.device).view(-1, 1, 1)
@@ -123,6 +122,16 @@ class KVAccessMixin:
             index = (positions % pool.recent_size).view(-1, 1, 1).expand(-1, 1, pool.recent_kv.shape[-1])
             for store, values in ((pool.recent_kv, token_kv), (pool.recent_score, token_score)):
                 store.scatter_(1, index, torch.where(live, values.to(store.dtype), store.gather(1, index)))
+
+    def store_pool(self, source: int, out, rotated: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
+                   keys: torch.Tensor, key_codes: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor,
+                   key_dtype: torch.dtype):
+        """Write a compressor's output (`out`: rows, carry, raw tokens) as packed pool rows and index keys;
+        returns what the indexers read as this source's keys: a function unpacking them (in `key_dtype`) on
+        first use (scanning the compressed history is the indexers' job)."""
+        total = self.pool_rows_after_chunk(source)
+        self.write_pool(source, out.rows, kv, key_codes, out.carry, out.token_kv, out.token_score, positions)
+        return lambda: self.pool_keys(source, total, key_dtype)
 
     def pool_keys(self, source: int, rows: int, dtype: torch.dtype) -> torch.Tensor:
         return self.pools[source].keys.read(rows, dtype)

@@ -23,9 +23,10 @@ def weight_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if torch.get_default_dtype() == torch.float64 else dtype
 
 
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The accumulation dtype the reference uses fp32 for; float64 runs stay in float64."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
+def compute_dtype(x: torch.Tensor | torch.dtype) -> torch.dtype:
+    """The accumulation dtype (of a tensor, or for a dtype) the reference uses fp32 for; float64 stays float64."""
+    dtype = x if isinstance(x, torch.dtype) else x.dtype
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def straight_through(x: torch.Tensor, quantized: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ from .compressor import DeepseekV41Compressor
 from .indexer import DeepseekV41Indexer
 from ..config.layer_plan import LayerSpec
 from ..kernels.linear import DeepseekV41RMSNorm
-from ..kernels.numerics import fp4_dequantize_rows, fp4_quantize_rows, fp8_act_qdq, straight_through, weight_dtype
+from ..kernels.numerics import fp4_quantize_rows, fp8_act_qdq, weight_dtype
 from ..kernels.linear import DeepseekV41Linear
 from .rotary import apply_rope_tail, rope_angles
 from ..kernels.sparse_attention import sparse_attention
@@ -24,42 +24,15 @@ QUERY_CHUNK = 1024  # queries attended (and indexed) per step of a long prefill
 class ForwardShare:
     """Per-forward CSA2 state, handed down the layers (owned by one forward, never module-level). Pools and keys hold every row visible to this forward (cached and new)."""
 
-    pool_kv: dict[int, torch.Tensor] = field(default_factory=dict)  # source -> [B, N, head_dim] (no cache only)
     index_keys: dict[int, torch.Tensor] = field(default_factory=dict)  # source -> [B, N, index_head_dim]
     topk: dict[int, torch.Tensor] = field(default_factory=dict)  # index source -> [B, S, k] pool rows, -1 = none
     candidates: torch.Tensor | None = None  # [B, S, N] bool, published by the candidate source
     index_scores: dict[int, torch.Tensor] = field(default_factory=dict)  # filled only when recording
     record_selection: bool = False  # keep scores and candidates of every index source (tests, inspection)
     candidate_history: dict[int, torch.Tensor] = field(default_factory=dict)
-    cache: object | None = None  # a DeepseekV41Cache when decoding incrementally
+    store: object | None = None  # where the layers read and write KV: the cache, or the forward's ChunkStore
     pool_ready: set[int] = field(default_factory=set)  # pool owners whose rows this forward already wrote
     window_floor: torch.Tensor | None = None  # [B] lowest position a window may list (bounded replay)
-
-
-def window_entries(positions: torch.Tensor, window: int, floor: torch.Tensor | None = None, offset: int = 0
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """For each query, the chunk indices of its window (oldest first, valid entries first) and their validity.
-
-    positions [B,S] are contiguous within a row (-1 marks padding). Query i at position p lists positions
-    max(0, p-W+1) .. p; position q sits at chunk index i - (p - q). Positions below `floor` [B] are hidden.
-    `positions` may be a slice of the chunk's queries starting at chunk index `offset`.
-    """
-    width = min(window, int(positions.amax()) + 1) if positions.numel() else 0
-    width = max(width, 0)
-    p = positions.unsqueeze(-1)
-    listed = (p - window + 1).clamp_min(0) + torch.arange(width, device=positions.device)
-    valid = (listed <= p) & (p >= 0)
-    if floor is not None:
-        valid = valid & (listed >= floor.view(-1, 1, 1))
-    index = offset + torch.arange(positions.shape[1], device=positions.device).view(1, -1, 1) - (p - listed)
-    return torch.where(valid, index, 0), valid
-
-
-def gather_rows(source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """source [B,N,d], index [B,S,K] (valid indices only) -> [B,S,K,d]."""
-    batch, s, k = index.shape
-    flat = index.reshape(batch, s * k, 1).expand(-1, -1, source.shape[-1])
-    return source.gather(1, flat).view(batch, s, k, source.shape[-1])
 
 
 class DeepseekV41Attention(nn.Module):
@@ -95,43 +68,26 @@ class DeepseekV41Attention(nn.Module):
     def _pool_rows(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, share) -> None:
         """Compress this chunk into new pool rows (RoPE'd at each group's first token, FP4-QDQ'd) and their
         index keys, and publish the pool and keys for the layers that read them."""
-        spec, cache = self.spec, share.cache
+        spec, store = self.spec, share.store
         source = spec.layer_id
         if source in share.pool_ready:
             return
-        if cache is not None:  # tokens whose rows are already pooled (a replay) are not compressed again
-            positions = cache.pool_positions(positions)
-        out = self.compressor(x, positions, cache.carry(source) if cache is not None else None,
-                              fixed_shapes=cache is not None)
+        positions = store.pool_positions(positions)  # tokens already pooled (a replay) are not compressed again
+        out = self.compressor(x, positions, store.carry(source), fixed_shapes=store.fixed_shapes)
         rotation = rope_angles(out.rows.clamp_min(0) * spec.ratio, inv_freq)
         keys, key_codes = self.indexer.keys(out.latents, rotation)
         rotated = apply_rope_tail(out.latents, rotation, self.rope_dim)
-        codes, scales = fp4_quantize_rows(rotated, POOL_FP4_BLOCK, "e4m3")
-        if cache is None:
-            share.index_keys[source] = keys
-            share.pool_kv[source] = straight_through(rotated, fp4_dequantize_rows(codes, scales, rotated.dtype))
-            return
-        total = cache.pool_rows_after_chunk(source)
-        cache.write_pool(source, out.rows, (codes, scales), key_codes, out.carry, out.token_kv, out.token_score,
-                         positions)
-        # unpacked on first use by an indexer: scanning the compressed history is the indexers' job
-        share.index_keys[source] = lambda: cache.pool_keys(source, total, x.dtype)
+        codes = fp4_quantize_rows(rotated, POOL_FP4_BLOCK, "e4m3")
+        share.index_keys[source] = store.store_pool(source, out, rotated, codes, keys, key_codes, positions, x.dtype)
 
     def _window(self, kv: torch.Tensor, positions: torch.Tensor, share, queries: slice
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """The window entries [B,q,L,hd] and validity of the queries in `queries` (a slice of the chunk)."""
-        cache = share.cache
-        if cache is None:
-            index, valid = window_entries(positions[:, queries], self.window, share.window_floor, queries.start)
-            return gather_rows(kv, index.clamp_min(0)), valid
-        return cache.window_entries(self.spec.layer_id, kv, positions[:, queries], self.window, share.window_floor,
-                                    queries.start)
+        return share.store.window_entries(self.spec.layer_id, kv, positions[:, queries], self.window,
+                                          share.window_floor, queries.start)
 
     def _pool_entries(self, selected: torch.Tensor, share, dtype: torch.dtype) -> torch.Tensor:
-        rows = selected.clamp_min(0)
-        if share.cache is None:
-            return gather_rows(share.pool_kv[self.spec.pool_source], rows)
-        return share.cache.gather_pool(self.spec.pool_source, rows, dtype)
+        return share.store.gather_pool(self.spec.pool_source, selected.clamp_min(0), dtype)
 
     def _output(self, o: torch.Tensor) -> torch.Tensor:
         batch, seq = o.shape[:2]
@@ -167,8 +123,7 @@ class DeepseekV41Attention(nn.Module):
                 entries = torch.cat([entries, self._pool_entries(rows, share, kv.dtype)], dim=2)
                 valid = torch.cat([valid, rows >= 0], dim=2)
             outputs.append(sparse_attention(q[:, queries], entries, valid, self.attn_sink, self.softmax_scale))
-        if share.cache is not None:
-            share.cache.write_window(spec.layer_id, kv, positions)
+        share.store.write_window(spec.layer_id, kv, positions)
         o = torch.cat(outputs, dim=1)
         o = apply_rope_tail(o, rotation, self.rope_dim, inverse=True)
         return self._output(o)

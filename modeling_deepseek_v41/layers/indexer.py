@@ -59,7 +59,7 @@ class DeepseekV41Indexer(nn.Module):
         k = min(self.topk, keys.shape[1])
         # decode-sized steps gather their candidate blocks' keys (cost independent of the pool length); prefills
         # and short pools score every row once, which is cheaper there
-        gathered = (self.spec.uses_candidates and share.cache is not None and self._candidates_cover_topk()
+        gathered = (self.spec.uses_candidates and share.store.decodes_incrementally and self._candidates_cover_topk()
                     and q.shape[1] <= GATHER_MAX_QUERIES)
         selections, candidates, recorded = [], [], []
         for start in range(0, q.shape[1], QUERY_CHUNK):  # bounded score tensors for long prefills

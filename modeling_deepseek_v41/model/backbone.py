@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..cache.chunk_store import ChunkStore
 from ..layers.attention import ForwardShare
 from ..layers.engram import prefetch_engram_rows
 from ..layers.engram_hashing import DEAD, engram_hash_ids, ngram_window
@@ -62,13 +63,13 @@ class DeepseekV41BackboneMixin:
     """The backbone's forward pieces, on the model that holds `embed`, `layers`, `plan`, `rotary` and (with
     Engram) `engram_layout` and `engram_token_map`."""
 
-    def engram_rows(self, input_ids: torch.Tensor, dead: torch.Tensor | None, cache=None, replayed: int = 0
+    def engram_rows(self, input_ids: torch.Tensor, dead: torch.Tensor | None, store=None, replayed: int = 0
                     ) -> torch.Tensor:
-        """Global Engram table rows [B,S,n_engram_layers,columns] of every position of `input_ids`; with a cache,
-        n-grams reach back into the cached history."""
+        """Global Engram table rows [B,S,n_engram_layers,columns] of every position of `input_ids`; with a cache
+        as the `store`, n-grams reach back into the cached history."""
+        store = ChunkStore() if store is None else store
         token_map = self.engram_token_map
-        static = cache is not None and cache.is_static
-        if not torch.compiler.is_compiling() and not static and bool((token_map < 0).any()):  # a host read
+        if not torch.compiler.is_compiling() and not store.is_static and bool((token_map < 0).any()):  # host read
             raise RuntimeError(
                 "The Engram compressed token map has not been built. Load the model with from_pretrained from a "
                 "folder that has the tokenizer files, or call model.build_engram_token_map(tokenizer)."
@@ -77,7 +78,7 @@ class DeepseekV41BackboneMixin:
         compressed = token_map[input_ids]
         if dead is not None:
             compressed = compressed.masked_fill(dead, DEAD)
-        history = cache.append_history(compressed, replayed) if cache is not None else compressed
+        history = store.append_history(compressed, replayed)
         pad = token_map[text.engram_pad_token_id]
         shifted = ngram_window(history, pad, text.engram_max_ngram_size, input_ids.shape[1])
         primes, offsets, multipliers = self.engram_layout.tensors_on(input_ids.device)
@@ -85,9 +86,11 @@ class DeepseekV41BackboneMixin:
 
     def prepare_context(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                         token_types: torch.Tensor | None = None, record_selection: bool = False,
-                        cache=None, positions: torch.Tensor | None = None, replayed: int = 0) -> ForwardContext:
+                        store=None, positions: torch.Tensor | None = None, replayed: int = 0) -> ForwardContext:
         """Everything the layers share for one forward: positions (-1 at padding), RoPE rotations, Engram rows,
-        image mask and the per-forward CSA2 share. With a cache, `positions` come from `cache.begin_chunk`."""
+        image mask and the per-forward CSA2 share. `store` is the cache (whose `begin_chunk` gave `positions`)
+        or, by default, a throw-away ChunkStore."""
+        store = ChunkStore() if store is None else store
         batch, seq = input_ids.shape
         device = input_ids.device
         if positions is None:
@@ -98,22 +101,22 @@ class DeepseekV41BackboneMixin:
                 positions = torch.where(mask, mask.long().cumsum(-1) - 1, -1)
         padding = positions < 0
         # an all-False mask changes nothing; only eager, growing-cache calls read it back to skip the masking
-        keep = torch.compiler.is_compiling() or (cache is not None and cache.is_static)
+        keep = torch.compiler.is_compiling() or store.is_static
         padding = padding if keep or bool(padding.any()) else None
         image_mask = token_types >= 0 if token_types is not None else None
         dead = image_mask
         if padding is not None:
             dead = padding if dead is None else dead | padding
         rotations = self.rotary.rotations(positions)
-        engram_rows = self.engram_rows(input_ids, dead, cache, replayed) if self.plan.engram_layers else None
+        engram_rows = self.engram_rows(input_ids, dead, store, replayed) if self.plan.engram_layers else None
         if engram_rows is not None:  # host/mmap tables: start gathering their rows before the first layer
             prefetch_engram_rows(self, engram_rows)
-        if cache is not None and not self.plan.engram_layers:
-            cache.append_history(torch.full_like(input_ids, DEAD), replayed)
+        else:
+            store.append_history(torch.full_like(input_ids, DEAD), replayed)
         return ForwardContext(
             positions=positions, rotations=rotations, engram_rows=engram_rows,
             engram_live=None if dead is None else ~dead, image_mask=image_mask,
-            share=ForwardShare(record_selection=record_selection, cache=cache),
+            share=ForwardShare(record_selection=record_selection, store=store),
         )
 
     def layer_step(self, index: int, streams: torch.Tensor, pre_mix: torch.Tensor, context: ForwardContext

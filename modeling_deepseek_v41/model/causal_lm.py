@@ -9,6 +9,7 @@ from torch import nn
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
 from ..cache.cache import DeepseekV41Cache
+from ..cache.chunk_store import ChunkStore
 from ..config.configuration_deepseek_v41 import DeepseekV41Config
 from ..config.layer_plan import LayerPlan
 from ..kernels.linear import DeepseekV41Linear, DeepseekV41RMSNorm
@@ -73,7 +74,6 @@ class DeepseekV41ForCausalLM(DeepseekV41BackboneMixin, DeepseekV41GenerationMixi
             self.register_buffer("engram_token_map", torch.full((text.vocab_size,), -1, dtype=torch.int64))
         self.rotary = DeepseekV41Rotary(text, ((spec.rope_theta, spec.use_yarn)
                                                for spec in self.plan.layers + self.plan.dspark_layers))
-        self._cuda_graphs_requested, self._generation_graphs = False, None  # set for one generate() call
         self.post_init()
 
     # -- transformers plumbing -------------------------------------------------------------------------------
@@ -110,7 +110,8 @@ class DeepseekV41ForCausalLM(DeepseekV41BackboneMixin, DeepseekV41GenerationMixi
         if input_ids is None:
             raise ValueError("DeepseekV41ForCausalLM needs input_ids: the Engram hash is computed from token ids.")
         cache = cache if cache is not None else past_key_values
-        graphs = self._generation_graphs
+        run = cache.generation_run if isinstance(cache, DeepseekV41Cache) else None
+        graphs = run.graphs if run is not None else None
         if graphs is not None and graphs.handles(cache, input_ids, pixel_values) and labels is None:
             return DeepseekV41CausalLMOutput(logits=graphs.step(input_ids), cache=cache)
         if cache is None and use_cache:
@@ -119,18 +120,17 @@ class DeepseekV41ForCausalLM(DeepseekV41BackboneMixin, DeepseekV41GenerationMixi
             if not isinstance(cache, DeepseekV41Cache):
                 raise TypeError(f"DeepseekV41ForCausalLM needs a DeepseekV41Cache, got {type(cache).__name__}.")
             cache.check_compatible(self.config.text_config)
-        past = cache.get_seq_length() if cache is not None else 0
+        store = cache if cache is not None else ChunkStore()  # without a cache, the layers' KV lives one forward
+        past = store.get_seq_length()
         max_positions = self.config.text_config.max_position_embeddings
         if past + input_ids.shape[1] > max_positions:
             raise ValueError(
                 f"Sequence of {past + input_ids.shape[1]} tokens exceeds max_position_embeddings ({max_positions})."
             )
-        positions, replayed = None, 0
-        if cache is not None:
-            input_ids, positions, replayed = cache.begin_chunk(input_ids, attention_mask, self.embed.weight.dtype)
-            if replayed and token_types is not None:
-                token_types = torch.cat([torch.full_like(input_ids[:, :replayed], -1), token_types], dim=1)
-        context = self.prepare_context(input_ids, attention_mask, token_types, cache=cache, positions=positions,
+        input_ids, positions, replayed = store.begin_chunk(input_ids, attention_mask, self.embed.weight.dtype)
+        if replayed and token_types is not None:
+            token_types = torch.cat([torch.full_like(input_ids[:, :replayed], -1), token_types], dim=1)
+        context = self.prepare_context(input_ids, attention_mask, token_types, store=store, positions=positions,
                                        replayed=replayed)
         hidden = inputs_embeds if inputs_embeds is not None else self.embed_tokens(
             input_ids, token_types, pixel_values, image_grids)
@@ -144,12 +144,11 @@ class DeepseekV41ForCausalLM(DeepseekV41BackboneMixin, DeepseekV41GenerationMixi
             run = self.run_backbone(hidden, context, output_hidden_states=bool(output_hidden_states))
         streams, pre_mix = run.streams, run.pre_mix
         all_streams, router_logits, router_experts, taps = run.all_streams, run.router_logits, run.experts, run.taps
-        if cache is not None and cache.dspark and taps:
+        if store.dspark and taps:
             spec = self.mtp[0].spec
             rotation = context.rotations[(spec.rope_theta, spec.use_yarn)][0][:, -taps[0].shape[1]:]
-            feed_dspark_rings(self, torch.cat(taps, dim=-1), run.positions, rotation, cache)
-        if cache is not None:
-            cache.commit(input_ids, context.positions, replayed)
+            feed_dspark_rings(self, torch.cat(taps, dim=-1), run.positions, rotation, store)
+        store.commit(input_ids, context.positions, replayed)
         if replayed:  # the replayed tokens only rebuilt windows: report the caller's tokens
             streams, pre_mix = streams[:, replayed:], pre_mix[:, replayed:]
             taps = [tap[:, replayed:] for tap in taps]

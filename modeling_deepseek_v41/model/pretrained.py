@@ -86,7 +86,7 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
         Engram token map built from the folder's tokenizer when the weights do not carry it, and
         `weight_mode="bf16"` dequantization after loading."""
         hub_kwargs = loader.hub_kwargs_of(kwargs)
-        local = os.path.isdir(pretrained_model_name_or_path)
+        local = os.path.isdir(pretrained_model_name_or_path) and not kwargs.get("ignore_mismatched_sizes")
         if local and not checkpoint_has_prefix(pretrained_model_name_or_path, "mtp."):
             config = kwargs.get("config")
             if not isinstance(config, DeepseekV41Config):
