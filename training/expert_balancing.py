@@ -14,16 +14,7 @@ from torch import nn
 from torch.nn import functional as F
 from transformers import TrainerCallback
 
-from modeling_deepseek_v41.layers.moe import DeepseekV41Gate
-
-
-def gate_scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
-    """The gate's affinity scores from its logits (the same functions as DeepseekV41Gate)."""
-    if scoring_func == "softmax":
-        return logits.softmax(dim=-1)
-    if scoring_func == "sigmoid":
-        return logits.sigmoid()
-    return F.softplus(logits).sqrt()
+from modeling_deepseek_v41.layers.moe import DeepseekV41Gate, gate_scores
 
 
 def expert_counts(experts: torch.Tensor, n_experts: int, tokens: torch.Tensor | None = None) -> torch.Tensor:

@@ -6,6 +6,7 @@ import torch
 from torch.nn import functional as F
 
 from .dispatch import compiled, fast_path
+from .numerics import compute_dtype
 
 SOFTMAX_BLOCK = 64  # the reference kernel walks each query's list in blocks of 64 entries
 
@@ -47,7 +48,7 @@ def sparse_attention(q: torch.Tensor, entries: torch.Tensor, valid: torch.Tensor
     """
     if fast_path(q):
         return compiled(_fused_sparse_attention)(q, entries, valid, sink, softmax_scale)
-    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc_dtype = compute_dtype(q)
     qf, kvf = q.to(acc_dtype), entries.to(acc_dtype) * valid.unsqueeze(-1)
     scale = torch.tensor(softmax_scale, dtype=acc_dtype)
     running_max = torch.full(q.shape[:3], -1e30, dtype=acc_dtype, device=q.device)

@@ -7,8 +7,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from ..kernels.linear import DeepseekV41RMSNorm
-from ..kernels.linear import DeepseekV41Linear
+from ..kernels.linear import DeepseekV41Linear, DeepseekV41RMSNorm
+from ..kernels.numerics import compute_dtype
 
 
 class CompressorOutput(NamedTuple):
@@ -46,7 +46,7 @@ class DeepseekV41Compressor(nn.Module):
         if self.ratio == 1:
             return self._per_token(x, positions, live, first, last, fixed_shapes)
         r = self.ratio
-        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        acc = compute_dtype(x)
         h = x.to(acc)
         kv, score = self.wkv(h), self.wgate(h)
         base_group = torch.div(first, r, rounding_mode="floor")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -11,6 +13,15 @@ from ..kernels.numerics import compute_dtype, dequantize_fp4_weight, fp8_act_qdq
 from ..kernels.linear import STORAGE_FP8, DeepseekV41Linear
 from ..kernels.linear import row_invariant_linear
 from ..kernels.sparse_attention import stable_topk_indices
+
+
+def gate_scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
+    """The gate's affinity scores from its logits: "softmax", "sigmoid" or (the released model's) sqrt-softplus."""
+    if scoring_func == "softmax":
+        return logits.softmax(dim=-1)
+    if scoring_func == "sigmoid":
+        return logits.sigmoid()
+    return F.softplus(logits).sqrt()
 
 
 class DeepseekV41Gate(nn.Module):
@@ -35,12 +46,7 @@ class DeepseekV41Gate(nn.Module):
         """x [T, D]; image_mask [T] or None. Returns (weights [T,k], experts [T,k], router logits [T,E])."""
         acc = compute_dtype(x)
         logits = row_invariant_linear(x.to(acc), self.weight.to(acc))
-        if self.scoring_func == "softmax":
-            scores = logits.softmax(dim=-1)
-        elif self.scoring_func == "sigmoid":
-            scores = logits.sigmoid()
-        else:
-            scores = F.softplus(logits).sqrt()
+        scores = gate_scores(logits, self.scoring_func)
         bias = self.bias.to(acc)
         if image_mask is not None and self.bias_vl is not None:
             bias = torch.where(image_mask.unsqueeze(-1), self.bias_vl.to(acc), bias)
@@ -163,6 +169,10 @@ class DeepseekV41MoE(nn.Module):
         self.shared_experts = DeepseekV41Expert(config.hidden_size, config.moe_intermediate_size,
                                                 "fp8" if quantized else "dense", config.swiglu_limit)
         self._stack: ExpertStack | None = None  # built on the first gathered (decode) call
+        # expert parallelism (set by the tensor-parallel plan): the experts [start, end) this rank holds, and the
+        # reduction that sums every rank's (token, slot) contributions
+        self.expert_range: tuple[int, int] | None = None
+        self.reduce_contributions: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -179,6 +189,8 @@ class DeepseekV41MoE(nn.Module):
                                             *stack.tensors())
         else:
             contributions = self._per_expert(tokens, sorted_experts, sorted_weights)
+        if self.reduce_contributions is not None:
+            contributions = self.reduce_contributions(contributions)
         y = torch.zeros(tokens.shape, dtype=compute_dtype(x), device=x.device)
         for slot in range(contributions.shape[1]):
             y = y + contributions[:, slot]
@@ -186,9 +198,13 @@ class DeepseekV41MoE(nn.Module):
         return y.to(x.dtype).view(shape), logits, experts
 
     def _per_expert(self, tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Contributions [T,k,D]: each expert that was chosen runs once over its tokens (reads the ids back)."""
+        """Contributions [T,k,D]: each expert that was chosen (and is held here) runs once over its tokens (reads
+        the ids back); the entries of experts held elsewhere stay zero."""
         contributions = tokens.new_zeros(*experts.shape, tokens.shape[-1])
+        start, end = self.expert_range or (0, self.n_experts)
         for expert_id in experts.unique().tolist():
+            if not start <= expert_id < end:
+                continue
             token_idx, slot = torch.nonzero(experts == expert_id, as_tuple=True)
             contributions[token_idx, slot] = self.experts[expert_id](tokens[token_idx],
                                                                      weights[token_idx, slot].unsqueeze(-1))
@@ -196,7 +212,7 @@ class DeepseekV41MoE(nn.Module):
 
     def _expert_stack(self, tokens: torch.Tensor) -> ExpertStack | None:
         """The stacked expert weights when this call takes the gathered path (few tokens on an accelerator)."""
-        if not fast_path(tokens) or tokens.shape[0] > GATHER_MAX_TOKENS:
+        if not fast_path(tokens) or tokens.shape[0] > GATHER_MAX_TOKENS or self.expert_range is not None:
             return None
         if self._stack is None or (not torch.compiler.is_compiling()
                                    and self._stack.key != ExpertStack.key_of(self.experts)):

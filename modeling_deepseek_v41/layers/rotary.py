@@ -7,6 +7,8 @@ from collections.abc import Iterable
 
 import torch
 
+from ..kernels.numerics import compute_dtype
+
 
 def rope_inv_freq(rope_dim: int, theta: float, yarn_factor: float = 1.0, yarn_original_len: int = 0,
                   beta_fast: float = 32.0, beta_slow: float = 1.0) -> torch.Tensor:
@@ -38,7 +40,7 @@ def apply_rope(x: torch.Tensor, rotation: torch.Tensor, inverse: bool = False) -
     x's dtype; the product is taken in complex64 (complex128 for float64 inputs) as the reference does.
     """
     complex_dtype = torch.complex128 if x.dtype == torch.float64 else torch.complex64
-    real_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    real_dtype = compute_dtype(x)
     pairs = torch.view_as_complex(x.to(real_dtype).unflatten(-1, (-1, 2)).contiguous())
     rotation = rotation.to(complex_dtype)
     if inverse:

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.numerics import weight_dtype
+from ..kernels.numerics import compute_dtype, weight_dtype
 from ..config.configuration_deepseek_v41 import DeepseekV41VisionConfig
 
 # token types of an image span (see processing/): text, then the four kinds of span positions
@@ -20,11 +20,6 @@ TOKEN_TYPE_IMAGE_START = 0
 TOKEN_TYPE_IMAGE = 1
 TOKEN_TYPE_IMAGE_NEWLINE = 2
 TOKEN_TYPE_IMAGE_END = 3
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp32 for low-precision inputs, the input's own dtype when it is already at least fp32."""
-    return torch.promote_types(dtype, torch.float32)
 
 
 class DeepseekV41VisionRMSNorm(nn.Module):
@@ -37,7 +32,7 @@ class DeepseekV41VisionRMSNorm(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         input_dtype = hidden_states.dtype
-        x = hidden_states.to(_compute_dtype(input_dtype))
+        x = hidden_states.to(compute_dtype(input_dtype))
         x = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.eps)
         return (self.weight * x).to(input_dtype)
 
@@ -60,7 +55,7 @@ def vision_rope_angles(
 
 def rotate_half_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (i, i + d/2) of the last dim by the given angles, in at least fp32."""
-    x_f = x.to(_compute_dtype(x.dtype))
+    x_f = x.to(compute_dtype(x.dtype))
     first, second = x_f.chunk(2, dim=-1)
     rotated = torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
     return rotated.to(x.dtype)
@@ -151,7 +146,7 @@ class DeepseekV41VisionTower(nn.Module):
         hidden_states = self.patch_embed(patches)
         cos, sin = vision_rope_angles(
             n_vit_h, n_vit_w, self.rope_dim, self.rope_theta,
-            dtype=_compute_dtype(hidden_states.dtype), device=hidden_states.device,
+            dtype=compute_dtype(hidden_states.dtype), device=hidden_states.device,
         )
         for block in self.blocks:
             hidden_states = block(hidden_states, cos, sin)

@@ -11,9 +11,10 @@ The plan (`DeepseekV41Config.base_model_tp_plan`) uses DeepSeek-V4.1's own style
   activation quantization included. The compressor, the indexer and the window KV projection are replicated (the
   indexer's top-k is over a sum across its heads, which a split would reorder).
 - routed experts (`deepseek_v41_expert_slices`): each rank holds a contiguous slice of the experts and never
-  allocates the others. Each rank fills the (token, slot) entries of its own experts and the entries are summed
-  across ranks: every entry has exactly one owner, so the sum only adds exact zeros, and the per-token sum in
-  ascending expert order then runs as in one process. The shared expert and the router are replicated.
+  allocates the others. The style sets the MoE's hook (`expert_range`, `reduce_contributions`): each rank fills
+  the (token, slot) entries of its own experts and the entries are summed across ranks: every entry has exactly
+  one owner, so the sum only adds exact zeros, and the per-token sum in ascending expert order then runs as in
+  one process. The shared expert and the router are replicated.
 - Engram tables held as parameters (`deepseek_v41_table_rows`) and the LM head (`deepseek_v41_vocab_rows`): rows
   split across ranks; a lookup sums exact zeros from the non-owners, the head's logits are all-gathered.
 
@@ -32,7 +33,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES, TensorParallelLayer
 
-from ..kernels.numerics import WEIGHT_BLOCK, compute_dtype
+from ..kernels.numerics import WEIGHT_BLOCK
 
 
 def _rank_and_size(mesh) -> tuple[int, int]:
@@ -181,32 +182,6 @@ class RemoteExpert(nn.Module):
         raise RuntimeError("This expert is held by another tensor-parallel rank.")
 
 
-def expert_slice_forward(moe: nn.Module, group, x: torch.Tensor, image_mask: torch.Tensor | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """DeepseekV41MoE.forward with the routed experts split across ranks: the same routing, per-expert inputs,
-    (token, slot) contributions and ascending-expert accumulation, with the contributions summed across ranks."""
-    start, end = moe.expert_range
-    shape = x.shape
-    tokens = x.reshape(-1, shape[-1])
-    weights, experts, logits = moe.gate(tokens, None if image_mask is None else image_mask.reshape(-1))
-    order = experts.argsort(dim=-1, stable=True)
-    sorted_experts = experts.gather(1, order)
-    sorted_weights = weights.gather(1, order)
-    contributions = tokens.new_zeros(*sorted_experts.shape, shape[-1])
-    for expert_id in sorted_experts.unique().tolist():
-        if not start <= expert_id < end:
-            continue
-        token_idx, slot = torch.nonzero(sorted_experts == expert_id, as_tuple=True)
-        contributions[token_idx, slot] = moe.experts[expert_id](
-            tokens[token_idx], sorted_weights[token_idx, slot].unsqueeze(-1))
-    exact_sum_(contributions, group)
-    y = torch.zeros(tokens.shape, dtype=compute_dtype(x), device=x.device)
-    for slot in range(contributions.shape[1]):
-        y = y + contributions[:, slot]
-    y = y + moe.shared_experts(tokens)
-    return y.to(x.dtype).view(shape), logits, experts
-
-
 class ExpertSlices(TensorParallelLayer):
     """An MoE layer whose routed experts are split into contiguous slices, one per rank."""
 
@@ -217,10 +192,9 @@ class ExpertSlices(TensorParallelLayer):
         for expert_id in range(module.n_experts):
             if not start <= expert_id < end:
                 module.experts[expert_id] = RemoteExpert()  # never allocated on this rank
-        module.expert_range = (start, end)
         group = _group(mesh)
-        module.forward = types.MethodType(lambda self, x, image_mask=None: expert_slice_forward(
-            self, group, x, image_mask), module)
+        module.expert_range = (start, end)  # the MoE runs only these experts and sums the ranks' contributions
+        module.reduce_contributions = lambda contributions: exact_sum_(contributions, group)
         return module
 
 
