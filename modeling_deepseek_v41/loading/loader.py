@@ -61,11 +61,15 @@ def place_skeleton(skeleton: nn.Module, device_map, max_memory: dict | None):
 
 def held_tensors(model: nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """name -> (shape, dtype) of every tensor the model reads from a checkpoint, including Engram tables kept off
-    the device (which are not parameters)."""
+    the device (which are not parameters) and the routed experts other tensor-parallel ranks hold."""
     held = {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}
-    for name, module in model.named_modules():
+    modules = dict(model.named_modules())
+    for name, module in modules.items():
         if isinstance(module, DeepseekV41ExternalEngramTable):
             held.update({f"{name}.{key}": value for key, value in module.checkpoint_tensors().items()})
+        elif isinstance(module, RemoteExpert):  # held by another rank: shaped like the experts held here
+            sibling = next(m for m in modules[name.rpartition(".")[0]] if not isinstance(m, RemoteExpert))
+            held.update({f"{name}.{key}": (tuple(t.shape), t.dtype) for key, t in sibling.state_dict().items()})
     return held
 
 
