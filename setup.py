@@ -1,6 +1,6 @@
 """Install DeepSeek-V4.1-Flash for Hugging Face Transformers."""
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 setup(
     name="deepseek-v41-transformers",
@@ -9,7 +9,8 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=["modeling_deepseek_v41", "processing", "conversion_scripts", "training"],
+    packages=find_packages(include=["modeling_deepseek_v41", "modeling_deepseek_v41.*", "processing", "conversion_scripts",
+                                    "training"]),
     package_data={"processing": ["*.jinja"]},
     install_requires=[
         "torch>=2.8,<3",

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_suite import build_model, intree_v4_decode, medium_config, timed  # noqa: E402
 
 from modeling_deepseek_v41.cache import DeepseekV41Cache  # noqa: E402
-from modeling_deepseek_v41.cuda_graph_decode import DeepseekV41CUDAGraphDecoder  # noqa: E402
+from modeling_deepseek_v41.cache.graph_decoder import DeepseekV41CUDAGraphDecoder  # noqa: E402
 
 CHECKED = 6  # steps whose logits are compared (the first two are the decoder's eager and recording steps)
 
@@ -74,8 +74,9 @@ def generate_speed(model, new_tokens: int, prompt: int = 1024) -> dict:
                   do_sample=False)
     outputs, seconds = {}, {}
     for graphs in (False, True, False, True):  # the first of each warms up (compilation, recording)
-        outputs[graphs] = model.generate(ids, cuda_graphs=graphs, **kwargs)
-        seconds[graphs] = model.last_generation_stats["seconds"]
+        stats = {}
+        outputs[graphs] = model.generate(ids, cuda_graphs=graphs, generation_stats=stats, **kwargs)
+        seconds[graphs] = stats["seconds"]
     row = {"generate_new_tokens": new_tokens, "prompt": prompt, "plain_tok_s": new_tokens / seconds[False],
            "cuda_graphs_tok_s": new_tokens / seconds[True], "speedup": seconds[False] / seconds[True],
            "same_tokens": bool(torch.equal(outputs[False], outputs[True]))}

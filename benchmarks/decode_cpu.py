@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from model_factory import random_model, tiny_config  # noqa: E402
 
 from modeling_deepseek_v41.cache import DeepseekV41Cache  # noqa: E402
-from modeling_deepseek_v41.indexer import DeepseekV41Indexer  # noqa: E402
+from modeling_deepseek_v41.layers.indexer import DeepseekV41Indexer  # noqa: E402
 
 
 class IndexerTimer:

@@ -32,10 +32,9 @@ def main() -> None:
         common = dict(attention_mask=torch.ones_like(ids), max_new_tokens=args.new_tokens, do_sample=False,
                       pad_token_id=2)
         model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=2)  # warm-up
-        plain = model.generate(ids, **common)
-        base = model.last_generation_stats
-        drafted = model.generate(ids, use_dspark=True, **common)
-        draft = model.last_generation_stats
+        base, draft = {}, {}
+        plain = model.generate(ids, generation_stats=base, **common)
+        drafted = model.generate(ids, use_dspark=True, generation_stats=draft, **common)
         same = bool(torch.equal(plain, drafted))
         print(f"| {row} | off | {base['new_tokens']} | {base['tokens_per_second']:.1f} | 1.00 | |")
         print(f"| {row} | on | {draft['new_tokens']} | {draft['tokens_per_second']:.1f} | "

@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 
 from modeling_deepseek_v41 import DeepseekV41Config, DeepseekV41ForCausalLM  # noqa: E402
 from modeling_deepseek_v41.cache import DeepseekV41Cache  # noqa: E402
-from modeling_deepseek_v41.engram_hashing import engram_table_rows  # noqa: E402
+from modeling_deepseek_v41.layers.engram_hashing import engram_table_rows  # noqa: E402
 
 MEDIUM = dict(
     vocab_size=32000, hidden_size=2048, moe_intermediate_size=1024, num_hidden_layers=8, num_attention_heads=16,

@@ -102,7 +102,7 @@ def main() -> int:
         print(f"FAIL  needs two CUDA GPUs, found {torch.cuda.device_count()}")
         return 1
     from model_factory import random_model, tiny_config
-    from modeling_deepseek_v41.device_map import spread_units
+    from modeling_deepseek_v41.loading.device_map import spread_units
 
     work = tempfile.mkdtemp()
     dense = os.path.join(work, "dense64")

@@ -34,7 +34,7 @@ from .tensor_ops import DEFAULT_CHUNK_BYTES, copy_cast, dequantize
 
 def engram_token_map(src: Path, config) -> torch.Tensor:
     """The Engram compressed token map built from the source folder's tokenizer."""
-    from modeling_deepseek_v41.loading import compressed_token_map, load_tokenizer_for_token_map
+    from modeling_deepseek_v41.loading.loader import compressed_token_map, load_tokenizer_for_token_map
 
     text = config.text_config
     try:
@@ -46,7 +46,7 @@ def engram_token_map(src: Path, config) -> torch.Tensor:
 
 def build_groups(src: Path, config, weight_mode: str, keep_hub_scales: bool, chunk_bytes: int) -> list[OutputGroup]:
     """Output groups in source order; validates the source first (raises CheckpointError, naming the problem)."""
-    from modeling_deepseek_v41.checkpoint_layout import expected_tensors
+    from modeling_deepseek_v41.model.checkpoint import expected_tensors
 
     if config.checkpoint_quantization is None:
         raise CheckpointError(f"{src} has no quantization_config: it is not in the hub layout.")

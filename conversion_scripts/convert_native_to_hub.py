@@ -47,7 +47,7 @@ def hub_scale_priors(src: Path, expected: dict) -> dict[str, TensorSource]:
 
 def build_groups(src: Path, config, chunk_bytes: int, keep_non_finite: bool = False) -> list[OutputGroup]:
     """Output groups in source order; validates the source first (raises CheckpointError, naming the problem)."""
-    from modeling_deepseek_v41.checkpoint_layout import expected_tensors
+    from modeling_deepseek_v41.model.checkpoint import expected_tensors
 
     sources = inspect_source(src, config, hub_layout=False)
     hub = with_weight_mode(config, "quantized")

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from modeling_deepseek_v41.checkpoint_layout import checkpoint_files, validate_checkpoint_folder
+from modeling_deepseek_v41.loading.checkpoint_layout import checkpoint_files
+from modeling_deepseek_v41.model.checkpoint import validate_checkpoint_folder
 
 from .safetensors_io import TensorSource, tensor_sources
 
@@ -57,9 +58,9 @@ def with_weight_mode(config, weight_mode: str):
 
 def quantized_weight_kinds(config) -> dict[str, str]:
     """weight name -> KIND_* for every weight the hub stores quantized (its scale is `scale_name(name)`)."""
-    from modeling_deepseek_v41.engram import DeepseekV41EngramTable
-    from modeling_deepseek_v41.modeling_deepseek_v41 import DeepseekV41ForCausalLM
-    from modeling_deepseek_v41.quantized_linear import STORAGE_FP4, STORAGE_FP8, DeepseekV41Linear
+    from modeling_deepseek_v41.layers.engram import DeepseekV41EngramTable
+    from modeling_deepseek_v41.model.causal_lm import DeepseekV41ForCausalLM
+    from modeling_deepseek_v41.kernels.linear import STORAGE_FP4, STORAGE_FP8, DeepseekV41Linear
 
     with torch.device("meta"):
         model = DeepseekV41ForCausalLM(with_weight_mode(config, "quantized"))

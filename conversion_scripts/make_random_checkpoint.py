@@ -46,7 +46,7 @@ def _complete_text_config(text: dict, ids: TinyTokenizerIds, tokenizer_dir: Path
     """Fill in what the tokenizer and the Engram primes decide: noise token, compressed vocab, table rows."""
     from transformers import PreTrainedTokenizerFast
 
-    from modeling_deepseek_v41.engram_hashing import build_compressed_token_map
+    from modeling_deepseek_v41.layers.engram_hashing import build_compressed_token_map
 
     text = dict(text)
     text.setdefault("dspark_noise_token_id", ids.noise_token_id)
@@ -58,7 +58,7 @@ def _complete_text_config(text: dict, ids: TinyTokenizerIds, tokenizer_dir: Path
 
 
 def _groups(config, seed: int) -> list[OutputGroup]:
-    from modeling_deepseek_v41.checkpoint_layout import expected_tensors
+    from modeling_deepseek_v41.model.checkpoint import expected_tensors
 
     expected = expected_tensors(config, hub_layout=True)
     kinds = quantized_weight_kinds(config)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from modeling_deepseek_v41.engram_hashing import engram_table_rows as model_engram_table_rows
+from modeling_deepseek_v41.layers.engram_hashing import engram_table_rows as model_engram_table_rows
 
 # the tiny-text reference fixture's shape: 8 layers [0,2,2,2,1,1,1,1] + 2 DSpark blocks, D 128
 TINY_TEXT = {

@@ -14,7 +14,7 @@ import zlib
 
 import torch
 
-from modeling_deepseek_v41.numerics import WEIGHT_BLOCK, fp8_quantize_rows, pack_nibbles, quantize_fp8_weight
+from modeling_deepseek_v41.kernels.numerics import WEIGHT_BLOCK, fp8_quantize_rows, pack_nibbles, quantize_fp8_weight
 
 from .layout import KIND_FP4, KIND_FP8_ROWS, KIND_FP8_TILE
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from modeling_deepseek_v41.checkpoint_layout import SAFETENSORS_DTYPES, read_safetensors_header
+from modeling_deepseek_v41.loading.checkpoint_layout import SAFETENSORS_DTYPES, read_safetensors_header
 
 DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 _HEADER_ALIGN = 8

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import torch
 
-from modeling_deepseek_v41.numerics import (
+from modeling_deepseek_v41.kernels.numerics import (
     WEIGHT_BLOCK, dequantize_fp4_weight, dequantize_fp8_weight, e2m1_codes, e2m1_values, fp8_dequantize_rows,
     fp8_quantize_rows, pack_nibbles, quantize_fp4_weight, quantize_fp8_weight, to_e4m3, unpack_nibbles,
 )

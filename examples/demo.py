@@ -38,9 +38,10 @@ def ask(checkpoint: Path, image, question: str, max_new_tokens: int) -> tuple[st
     processor = AutoProcessor.from_pretrained(checkpoint)
     pipe = pipeline("image-text-to-text", model=model, processor=processor)
     messages = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": question}]}]
+    stats = {}
     result = pipe(text=messages, max_new_tokens=max_new_tokens, return_full_text=False,
-                  generate_kwargs={"use_dspark": True, "do_sample": False})
-    return result[0]["generated_text"], model.last_generation_stats
+                  generate_kwargs={"use_dspark": True, "do_sample": False, "generation_stats": stats})
+    return result[0]["generated_text"], stats
 
 
 def print_answer(question: str, answer: str, stats: dict) -> None:

@@ -2,9 +2,10 @@
 
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
-from .configuration_deepseek_v41 import DeepseekV41Config, DeepseekV41TextConfig, DeepseekV41VisionConfig
-from .layer_plan import LayerPlan, LayerSpec
-from .modeling_deepseek_v41 import DeepseekV41ForCausalLM, DeepseekV41PreTrainedModel
+from .config.configuration_deepseek_v41 import DeepseekV41Config, DeepseekV41TextConfig, DeepseekV41VisionConfig
+from .config.layer_plan import LayerPlan, LayerSpec
+from .model.causal_lm import DeepseekV41ForCausalLM
+from .model.pretrained import DeepseekV41PreTrainedModel
 
 
 def _register() -> None:

@@ -22,7 +22,7 @@ def schedule_config(text: dict, vision: bool = False) -> DeepseekV41Config:
     """A bf16-mode config from the tiny-text fixture's sizes with another schedule; Engram table sizes derived."""
     from types import SimpleNamespace
 
-    from modeling_deepseek_v41.engram_hashing import engram_table_rows
+    from modeling_deepseek_v41.layers.engram_hashing import engram_table_rows
 
     raw = json.loads((FIXTURES / "tiny-text" / "checkpoint" / "config.json").read_text())
     raw.pop("quantization_config")

@@ -12,7 +12,7 @@ import torch
 
 from model_factory import RELEASED_WIDTHS, random_model, schedule_config
 from modeling_deepseek_v41.cache import DeepseekV41Cache
-from modeling_deepseek_v41.hyper_connections import hc_collapse
+from modeling_deepseek_v41.layers.hyper_connections import hc_collapse
 from reference_cases import load_case, load_model
 
 

@@ -2,7 +2,7 @@
 accelerator formulations (the gathered-expert MoE and sync-free cache writes that CUDA decode steps take).
 
 The CPU normally keeps its exact per-expert paths, so the test forces the accelerator ones (as
-benchmarks/decode_graph_breaks.py does) and uses Dynamo's eager backend: what is checked is the capture and that
+the graph-break inventory in docs/performance.md did) and uses Dynamo's eager backend: what is checked is the capture and that
 the captured step computes the eager step's logits, not inductor's kernels.
 """
 

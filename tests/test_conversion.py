@@ -22,8 +22,8 @@ from conversion_scripts.convert_native_to_hub import convert_native_to_hub
 from conversion_scripts.convert_native_to_hub import main as native_to_hub_main
 from conversion_scripts.layout import CheckpointError, quantized_weight_kinds, scale_name
 from conversion_scripts.streaming import partial_dir
-from modeling_deepseek_v41.checkpoint_layout import validate_checkpoint_folder
-from modeling_deepseek_v41.numerics import dequantize_fp4_weight, dequantize_fp8_weight, fp8_dequantize_rows
+from modeling_deepseek_v41.model.checkpoint import validate_checkpoint_folder
+from modeling_deepseek_v41.kernels.numerics import dequantize_fp4_weight, dequantize_fp8_weight, fp8_dequantize_rows
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURE = REPO / "tests" / "fixtures" / "tiny-text" / "checkpoint"
@@ -236,7 +236,7 @@ def test_random_vision_checkpoint_round_trips_with_resharding(tmp_path):
 def test_changed_weights_get_fresh_scales_only_where_changed(tmp_path):
     """After fine-tuning, tiles the kept hub scales no longer represent are requantized from their amax; the other
     tiles keep the hub's bytes."""
-    from modeling_deepseek_v41.numerics import quantize_fp8_weight
+    from modeling_deepseek_v41.kernels.numerics import quantize_fp8_weight
 
     native = convert_hub_to_native(FIXTURE, tmp_path / "native", "bf16", progress=False)
     name = "layers.0.attn.wq_a.weight"

@@ -109,7 +109,7 @@ def test_cuda_graph_decode_replays_the_eager_steps(case_dir):
     """Graph-replayed decode steps give the eager static-cache steps' logits bit for bit, and agree with the
     growing cache's steps (which attend over fewer, unmasked entries)."""
     from modeling_deepseek_v41.cache import DeepseekV41Cache
-    from modeling_deepseek_v41.cuda_graph_decode import DeepseekV41CUDAGraphDecoder
+    from modeling_deepseek_v41.cache.graph_decoder import DeepseekV41CUDAGraphDecoder
 
     model, ids, clean, prompt = _text_decode_case(case_dir)
     with torch.no_grad():
@@ -139,4 +139,3 @@ def test_generate_with_cuda_graphs_gives_the_plain_tokens():
         graphed = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
                                  cuda_graphs=True)
         assert torch.equal(plain, graphed)
-    assert model._generation_graphs is None

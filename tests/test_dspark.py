@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM
 
 from model_factory import random_model, tiny_config
 from modeling_deepseek_v41.cache import DeepseekV41Cache
-from modeling_deepseek_v41.dspark_drafting import dspark_draft
-from modeling_deepseek_v41.dspark_generation import verify_count
+from modeling_deepseek_v41.model.dspark import dspark_draft
+from modeling_deepseek_v41.model.dspark import verify_count
 from reference_cases import FIXTURES, load_case, load_model
 
 
@@ -42,9 +42,9 @@ def test_greedy_with_drafting_equals_greedy_on_the_fixture(case_dir, max_new_tok
     kwargs["attention_mask"] = torch.ones_like(kwargs["input_ids"])
     common = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=2)
     plain = model.generate(**kwargs, **common)
-    drafted = model.generate(**kwargs, use_dspark=True, **common)
+    stats = {}
+    drafted = model.generate(**kwargs, use_dspark=True, generation_stats=stats, **common)
     assert torch.equal(plain, drafted)
-    stats = model.last_generation_stats
     assert stats["dspark_rounds"] >= 1 or max_new_tokens == 1
 
 
@@ -156,10 +156,11 @@ def test_use_dspark_from_the_checkpoint_generation_config(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(target)
     ids = load_case(str(FIXTURES / "tiny-text")).inputs["input_ids"][:1, :30]
     common = dict(attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False, pad_token_id=2)
-    drafted = model.generate(ids, **common)
-    assert model.last_generation_stats["dspark_rounds"] >= 1
-    plain = model.generate(ids, use_dspark=False, **common)
-    assert model.last_generation_stats["dspark_rounds"] is None
+    drafted_stats, plain_stats = {}, {}
+    drafted = model.generate(ids, generation_stats=drafted_stats, **common)
+    assert drafted_stats["dspark_rounds"] >= 1
+    plain = model.generate(ids, use_dspark=False, generation_stats=plain_stats, **common)
+    assert plain_stats["dspark_rounds"] is None
     assert torch.equal(drafted, plain)
 
 
@@ -173,11 +174,14 @@ def test_pipeline_with_drafting(tmp_path):
 
     image = Image.open(FIXTURES / "tiny-vision" / "images" / "image0.png")
     messages = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "Shape?"}]}]
+    stats = {}
     drafted = pipe(text=messages, max_new_tokens=6, return_full_text=False,
-                   generate_kwargs={"use_dspark": True, "do_sample": False})
-    assert model.last_generation_stats["dspark_rounds"] >= 1
+                   generate_kwargs={"use_dspark": True, "do_sample": False, "generation_stats": stats})
+    assert stats["dspark_rounds"] >= 1
     plain = pipe(text=messages, max_new_tokens=6, return_full_text=False, generate_kwargs={"do_sample": False})
     assert drafted[0]["generated_text"] == plain[0]["generated_text"]
     text_only = [{"role": "user", "content": [{"type": "text", "text": "Name a shape."}]}]
-    answer = pipe(text=text_only, max_new_tokens=4, return_full_text=False, generate_kwargs={"do_sample": False})
-    assert isinstance(answer[0]["generated_text"], str) and model.last_generation_stats["new_tokens"] >= 1
+    stats = {}
+    answer = pipe(text=text_only, max_new_tokens=4, return_full_text=False,
+                  generate_kwargs={"do_sample": False, "generation_stats": stats})
+    assert isinstance(answer[0]["generated_text"], str) and stats["new_tokens"] >= 1

@@ -13,8 +13,8 @@ from transformers import AutoModelForCausalLM
 
 import modeling_deepseek_v41  # noqa: F401
 from modeling_deepseek_v41 import DeepseekV41Config
-from modeling_deepseek_v41.engram import DeepseekV41ExternalEngramTable
-from modeling_deepseek_v41.engram_storage import ExternalTable
+from modeling_deepseek_v41.layers.engram import DeepseekV41ExternalEngramTable
+from modeling_deepseek_v41.loading.engram_storage import ExternalTable
 from reference_cases import FIXTURES
 
 CHECKPOINT = FIXTURES / "tiny-text" / "checkpoint"

@@ -6,7 +6,7 @@ import pytest
 import torch
 from model_factory import random_model, tiny_config
 
-from modeling_deepseek_v41.expert_balancing import (
+from training.expert_balancing import (
     ExpertBalanceCallback,
     ExpertBalancer,
     expert_counts,

@@ -121,3 +121,20 @@ def test_sequence_beyond_max_positions_is_rejected():
     model.config.text_config.max_position_embeddings = 8
     with pytest.raises(ValueError, match="exceeds max_position_embeddings"):
         model(torch.zeros(1, 9, dtype=torch.long))
+
+
+@pytest.mark.parametrize("extra", [{}, {"weight_mode": "bf16"}, {"engram_storage": "mmap"}])
+def test_from_pretrained_builds_the_model_once(monkeypatch, extra):
+    """One from_pretrained path: the checkpoint is checked against the model transformers builds, not a second
+    one built for the check (nor a third for placement on one device)."""
+    built = []
+    original = modeling_deepseek_v41.DeepseekV41ForCausalLM.__init__
+
+    def counting(self, *args, **kwargs):
+        built.append(type(self).__name__)
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(modeling_deepseek_v41.DeepseekV41ForCausalLM, "__init__", counting)
+    model = AutoModelForCausalLM.from_pretrained(CHECKPOINT, **extra)
+    assert built == ["DeepseekV41ForCausalLM"]
+    assert model.config.weight_mode == extra.get("weight_mode", "quantized")

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from modeling_deepseek_v41 import DeepseekV41Config, DeepseekV41ForCausalLM
-from modeling_deepseek_v41.checkpoint_layout import expected_tensors, pattern_of
-from modeling_deepseek_v41.parameter_count import count_parameters
+from modeling_deepseek_v41.loading.checkpoint_layout import pattern_of
+from modeling_deepseek_v41.model.checkpoint import expected_tensors
+from modeling_deepseek_v41.loading.parameter_count import count_parameters
 from reference_cases import FIXTURES
 
 

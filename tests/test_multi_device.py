@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 import modeling_deepseek_v41  # noqa: F401
 from modeling_deepseek_v41 import DeepseekV41Config, DeepseekV41ForCausalLM
-from modeling_deepseek_v41.device_map import (
+from modeling_deepseek_v41.loading.device_map import (
     _key_bytes, attention_side_devices, check_device_map, deepseek_device_map, module_bytes, spread_units,
 )
 from reference_cases import FIXTURES

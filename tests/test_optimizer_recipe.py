@@ -8,15 +8,15 @@ import pytest
 import torch
 from model_factory import random_model, tiny_config
 
-from modeling_deepseek_v41.muon import HeadwiseMuon, muon_step, orthogonalize
-from modeling_deepseek_v41.optimizer_recipe import (
+from training.muon import HeadwiseMuon, muon_step, orthogonalize
+from training.optimizer_recipe import (
     DeepseekV41Optimizer,
     RecipeOptimizerFactory,
     build_param_groups,
     create_optimizer,
 )
-from modeling_deepseek_v41.parameter_rules import ADAMW, FROZEN, MUON, ROUTER_BIAS, SINKHORN, parameter_rules
-from modeling_deepseek_v41.sinkhorn_update import enable_sparse_table_gradients, sinkhorn_balance, sinkhorn_step
+from training.parameter_rules import ADAMW, FROZEN, MUON, ROUTER_BIAS, SINKHORN, parameter_rules
+from training.sinkhorn_update import enable_sparse_table_gradients, sinkhorn_balance, sinkhorn_step
 
 
 @pytest.fixture(scope="module")

@@ -155,7 +155,7 @@ def test_chat_template_tokenized_with_images(processor):
 
 @pytest.fixture()
 def registered():
-    from modeling_deepseek_v41.configuration_deepseek_v41 import DeepseekV41Config
+    from modeling_deepseek_v41.config.configuration_deepseek_v41 import DeepseekV41Config
 
     if "deepseek_v41" not in CONFIG_MAPPING:
         AutoConfig.register("deepseek_v41", DeepseekV41Config)

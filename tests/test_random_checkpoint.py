@@ -17,7 +17,7 @@ from conversion_scripts.make_random_checkpoint import make_random_checkpoint
 from conversion_scripts.presets import engram_table_rows
 from conversion_scripts.streaming import partial_dir
 from conversion_scripts.tiny_tokenizer import CHAT_TOKENS, IMAGE_TOKEN, NOISE_TOKEN, save_tiny_tokenizer
-from modeling_deepseek_v41.checkpoint_layout import validate_checkpoint_folder
+from modeling_deepseek_v41.model.checkpoint import validate_checkpoint_folder
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURE_CONFIG = REPO / "tests" / "fixtures" / "tiny-text" / "checkpoint" / "config.json"

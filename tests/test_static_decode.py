@@ -131,6 +131,7 @@ def test_static_cache_refuses_what_it_cannot_replay():
 def test_generate_with_cuda_graphs_needs_a_cuda_model():
     model = random_model(tiny_config(), dtype=torch.float32)
     ids = torch.randint(3, 500, (1, 8), generator=torch.Generator().manual_seed(8))
+    cache = DeepseekV41Cache(model.config)
     with pytest.raises(ValueError, match="CUDA device"):
-        model.generate(ids, max_new_tokens=4, do_sample=False, cuda_graphs=True)
-    assert model._generation_graphs is None and not model._cuda_graphs_requested
+        model.generate(ids, max_new_tokens=4, do_sample=False, cuda_graphs=True, cache=cache)
+    assert cache.generation_run is None  # nothing of the refused call is left, on the cache or the model

@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
 import modeling_deepseek_v41  # noqa: F401
-from modeling_deepseek_v41.tensor_parallel import RemoteExpert
+from modeling_deepseek_v41.loading.tensor_parallel import RemoteExpert
 from model_factory import random_model, tiny_config
 from reference_cases import FIXTURES
 

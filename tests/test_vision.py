@@ -10,8 +10,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from modeling_deepseek_v41.configuration_deepseek_v41 import DeepseekV41VisionConfig
-from modeling_deepseek_v41.vision import (
+from modeling_deepseek_v41.config.configuration_deepseek_v41 import DeepseekV41VisionConfig
+from modeling_deepseek_v41.layers.vision import (
     DeepseekV41VisionAligner,
     DeepseekV41VisionTower,
     embed_images,

@@ -21,8 +21,8 @@ import torch
 from torch.nn import functional as F
 from transformers import Trainer
 
-from modeling_deepseek_v41.hyper_connections import hc_collapse
-from modeling_deepseek_v41.rope import rope_angles
+from modeling_deepseek_v41.layers.rotary import rope_angles
+from modeling_deepseek_v41.model.dspark import dspark_forward, project_taps
 
 TEXT = -1
 DSPARK_LOSS_WEIGHTS = (0.1, 0.9, 1.0)  # cross-entropy, L1 distillation, confidence BCE
@@ -111,7 +111,7 @@ def dspark_training_logits(model, input_ids: torch.Tensor, taps: torch.Tensor, a
     """Draft every anchor's block at once (teacher-forced), from the backbone taps [B,S,n_taps*D]."""
     model = _base(model)
     cfg = model.config.text_config
-    size, window, hc = cfg.dspark_block_size, cfg.sliding_window, cfg.hc_mult
+    size, window = cfg.dspark_block_size, cfg.sliding_window
     batch, seq = input_ids.shape
     n_anchors = anchors.shape[1]
     device = input_ids.device
@@ -132,7 +132,7 @@ def dspark_training_logits(model, input_ids: torch.Tensor, taps: torch.Tensor, a
     anchor_pos = positions.gather(1, anchors)  # [B,A]
     block_pos = anchor_pos.unsqueeze(-1) + 1 + steps
     spec = model.mtp[0].spec
-    inv_freq = model._inv_freq(spec.rope_theta, spec.use_yarn, device)
+    inv_freq = model.rotary.inv_freq(spec.rope_theta, spec.use_yarn, device)
     block_rotation = rope_angles(block_pos.flatten(0, 1), inv_freq)  # [N,K,rope/2]
     tap_rotation = rope_angles(positions.clamp_min(0), inv_freq)  # [B,S,rope/2]
 
@@ -142,25 +142,20 @@ def dspark_training_logits(model, input_ids: torch.Tensor, taps: torch.Tensor, a
     window_valid = (window_index >= 0) & anchor_valid.unsqueeze(-1)
     window_index = window_index.clamp_min(0)
 
-    first = model.mtp[0]
-    main_x = first.main_norm(first.main_proj(taps.to(first.main_proj.weight.dtype)))
+    main_x = project_taps(model, taps.to(model.mtp[0].main_proj.weight.dtype))
     block_ids = torch.full_like(prev_tokens, cfg.dspark_noise_token_id)
     block_ids[..., 0] = prev_tokens[..., 0]
-    streams = model.embed(block_ids.flatten(0, 1))
-    streams = streams.unsqueeze(2).repeat(1, 1, hc, 1)
-    mix_dtype = torch.float64 if streams.dtype == torch.float64 else torch.float32
-    pre_mix = torch.zeros(*streams.shape[:3], dtype=mix_dtype, device=device)
-    pre_mix[..., 0] = 1.0
     flat_window = window_index.flatten(1)  # [B, A*W]
-    for block in model.mtp:
+
+    def stage_window(block, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each anchor's window of this stage's KV, projected from the taps at their positions."""
         kv = block.attn.tap_kv(main_x, tap_rotation)  # [B,S,hd]
         window_kv = kv.gather(1, flat_window.unsqueeze(-1).expand(-1, -1, kv.shape[-1]))
-        window_kv = window_kv.view(batch * n_anchors, width, kv.shape[-1]).to(streams.dtype)
-        streams, pre_mix, _, _ = block(streams, pre_mix, None, block_rotation, window_kv,
-                                       window_valid.flatten(0, 1))
+        return window_kv.view(batch * n_anchors, width, kv.shape[-1]).to(dtype), window_valid.flatten(0, 1)
+
+    hidden, base = dspark_forward(model, block_ids.flatten(0, 1), block_rotation, stage_window)
     final = model.mtp[-1]
-    hidden = hc_collapse(streams, pre_mix)
-    base = model.head(final.norm(hidden)).float()
+    base = base.float()
     bias, embedding = final.markov_head(prev_tokens.flatten(0, 1))
     logits = base + bias.float()
     confidence = final.confidence_head(hidden, embedding)

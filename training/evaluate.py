@@ -56,10 +56,12 @@ def drafting_stats(model, processor, max_new_tokens: int = 32, n_text: int = 8, 
             prompts = [_prompt_inputs(processor, e["messages"]) for e in heldout_questions()[:n_images]]
             new = 16
         for inputs in prompts:
-            plain = model.generate(**inputs, max_new_tokens=new, do_sample=False, use_dspark=False)
-            speed_off.append(model.last_generation_stats["tokens_per_second"])
-            drafted = model.generate(**inputs, max_new_tokens=new, do_sample=False, use_dspark=True)
-            stats = model.last_generation_stats
+            plain_stats, stats = {}, {}
+            plain = model.generate(**inputs, max_new_tokens=new, do_sample=False, use_dspark=False,
+                                   generation_stats=plain_stats)
+            speed_off.append(plain_stats["tokens_per_second"])
+            drafted = model.generate(**inputs, max_new_tokens=new, do_sample=False, use_dspark=True,
+                                     generation_stats=stats)
             speed_on.append(stats["tokens_per_second"])
             accepted += (stats["dspark_mean_accepted_length"] - 1.0) * stats["dspark_rounds"]
             rounds += stats["dspark_rounds"]

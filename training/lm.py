@@ -6,16 +6,12 @@ import torch
 from torch.nn import functional as F
 from transformers import Trainer
 
+from modeling_deepseek_v41.layers.moe import gate_scores
+
 
 def router_scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
     """The gate's affinity scores from its logits (the same function the router uses), normalised per token."""
-    logits = logits.float()
-    if scoring_func == "softmax":
-        scores = logits.softmax(-1)
-    elif scoring_func == "sigmoid":
-        scores = logits.sigmoid()
-    else:
-        scores = F.softplus(logits).sqrt()
+    scores = gate_scores(logits.float(), scoring_func)
     return scores / scores.sum(-1, keepdim=True).clamp_min(1e-20)
 
 

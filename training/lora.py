@@ -37,7 +37,7 @@ def lora_config(r: int = 8, lora_alpha: int = 16, lora_dropout: float = 0.0, tar
     from peft import LoraConfig
     from peft.tuners.lora.layer import Linear as LoraLinear
 
-    from modeling_deepseek_v41.quantized_linear import DeepseekV41Linear
+    from modeling_deepseek_v41.kernels.linear import DeepseekV41Linear
 
     config = LoraConfig(r=r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
                         target_modules=target_modules or target_regex(), task_type="CAUSAL_LM", **kwargs)
@@ -68,7 +68,7 @@ def load_lora(model, adapter_dir, **kwargs):
     from peft import LoraConfig, PeftModel
     from peft.tuners.lora.layer import Linear as LoraLinear
 
-    from modeling_deepseek_v41.quantized_linear import DeepseekV41Linear
+    from modeling_deepseek_v41.kernels.linear import DeepseekV41Linear
 
     config = LoraConfig.from_pretrained(adapter_dir)
     if not _peft_wraps_natively(DeepseekV41Linear):

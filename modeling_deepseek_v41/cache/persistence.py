@@ -1,0 +1,147 @@
+"""The persistent prefix cache: a DeepseekV41Cache saved to disk and restored in another process.
+
+Only what the CED design keeps on SSD is stored: the packed global KV (compressed rows and index keys of every
+pool), the ratio-r carries and the token ids (from which the Engram history is rebuilt), with a format version, a
+model fingerprint and per-tensor checksums. Window KV is not stored: a restored cache rebuilds it by bounded replay of the last
+`sliding_window` tokens on its next forward (those tokens never rewrite the pools).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from ..layers.engram_hashing import DEAD
+
+FORMAT_VERSION = "1"
+
+
+def model_fingerprint(model, signature: tuple) -> str:
+    """Identifies the model a cache belongs to: its schedule (the cache's `signature`) and a sample of its weights."""
+    digest = hashlib.sha256(repr(type(model).__name__).encode())
+    digest.update(repr(signature).encode())
+    for tensor in (model.embed.weight[:2], model.head.weight[:2], model.layers[0].attn.wq_a.weight[:2]):
+        digest.update(tensor.detach().float().cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _checksum(tensor: torch.Tensor) -> str:
+    return hashlib.sha256(tensor.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def compressed_history(model, tokens: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """The Engram history of saved token ids: compressed ids, dead at image-span positions and padding."""
+    if not hasattr(model, "engram_token_map"):
+        return torch.full_like(tokens, DEAD)
+    dead = ~real | (tokens == model.config.image_token_id)
+    return model.engram_token_map[tokens].masked_fill(dead, DEAD)
+
+
+def save_cache(cache, path: str | os.PathLike, model) -> Path:
+    """Write `cache` to `path` atomically (a temporary file in the same folder, then a rename)."""
+    if not cache.is_initialized or cache.columns == 0:
+        raise ValueError("There is nothing to save: the cache is empty.")
+    replay = min(cache.text_config.sliding_window, cache.columns)
+    real = cache._real.view(0, cache.columns)
+    history = cache.history
+    if bool(((history[:, -replay:] < 0) & real[:, -replay:]).any()):
+        raise ValueError(
+            f"The last {replay} tokens of the prefix include image positions; a saved prefix must end with at "
+            "least sliding_window text tokens, because restoring replays them as text."
+        )
+    # the Engram history is rebuilt from the token ids on restore (images and padding are dead), so per token
+    # only the id (int32) and the real-token flag are stored beside the global KV
+    tensors = {
+        "tokens": cache._tokens.view(0, cache.columns).to(torch.int32).contiguous(),
+        "real": real.to(torch.uint8).contiguous(),
+        "lengths": cache.lengths.contiguous(),
+    }
+    for source, pool in cache.pools.items():
+        rows = int((cache.lengths // pool.ratio).amax())
+        tensors[f"pool.{source}.kv_codes"] = pool.kv.codes[:, :rows].contiguous()
+        tensors[f"pool.{source}.kv_scales"] = pool.kv.scales[:, :rows].contiguous()
+        tensors[f"pool.{source}.key_codes"] = pool.keys.codes[:, :rows].contiguous()
+        tensors[f"pool.{source}.key_scales"] = pool.keys.scales[:, :rows].contiguous()
+        if pool.ratio > 1:
+            carry = pool.carry_at(cache.lengths) if pool.carry is None else pool.carry
+            tensors[f"pool.{source}.carry_kv"] = carry[0].contiguous()
+            tensors[f"pool.{source}.carry_score"] = carry[1].contiguous()
+    tensors = {name: t.detach().cpu() for name, t in tensors.items()}
+    metadata = {
+        "format_version": FORMAT_VERSION,
+        "fingerprint": model_fingerprint(model, cache.signature_of(model.config.text_config)),
+        "columns": str(cache.columns),
+        "checksums": json.dumps({name: _checksum(t) for name, t in tensors.items()}),
+    }
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
+    os.close(handle)
+    try:
+        save_file(tensors, temporary, metadata=metadata)
+        os.replace(temporary, path)
+    finally:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+    return path
+
+
+def load_cache(cache_class, path: str | os.PathLike, model, dspark: bool, crop_horizon: int):
+    """Restore a saved prefix for `model` into a new `cache_class`. Every problem is reported before a cache is
+    built."""
+    path = Path(path)
+    try:
+        with safe_open(path, framework="pt") as handle:
+            metadata = handle.metadata() or {}
+            tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+    except (SafetensorError, OSError, ValueError) as error:
+        raise ValueError(f"{path} is not a readable saved cache (truncated or corrupted?): {error}") from error
+    if metadata.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{path} has cache format {metadata.get('format_version')!r}; this code reads "
+                         f"{FORMAT_VERSION!r}.")
+    if metadata.get("fingerprint") != model_fingerprint(model, cache_class.signature_of(model.config.text_config)):
+        raise ValueError(f"{path} was saved from another model (its fingerprint differs from this model's); a "
+                         "prefix cache can only be restored into the model that wrote it.")
+    expected = json.loads(metadata.get("checksums", "{}"))
+    if set(expected) != set(tensors):
+        raise ValueError(f"{path} is corrupted: its tensors do not match its checksum list.")
+    for name, tensor in tensors.items():
+        if _checksum(tensor) != expected[name]:
+            raise ValueError(f"{path} is corrupted: tensor {name!r} fails its checksum.")
+    cache = cache_class(model.config, crop_horizon=crop_horizon, dspark=dspark)
+    device = model.embed.weight.device
+    tokens = tensors["tokens"].to(device)
+    cache._allocate(tokens.shape[0], device, model.embed.weight.dtype)
+    cache.columns = int(metadata["columns"])
+    real = tensors["real"].to(device).bool()
+    tokens = tokens.long()
+    cache._tokens.write(0, tokens)
+    cache._history.write(0, compressed_history(model, tokens, real))
+    cache._real.write(0, real)
+    cache.lengths = tensors["lengths"].to(device)
+    for source, pool in cache.pools.items():
+        rows = tensors[f"pool.{source}.kv_codes"].shape[1]
+        for storage, kind in ((pool.kv, "kv"), (pool.keys, "key")):
+            storage.ensure_capacity(rows)
+            storage.codes[:, :rows] = tensors[f"pool.{source}.{kind}_codes"].to(device)
+            storage.scales[:, :rows] = tensors[f"pool.{source}.{kind}_scales"].to(device)
+        if pool.ratio > 1:
+            pool.carry = (tensors[f"pool.{source}.carry_kv"].to(device),
+                          tensors[f"pool.{source}.carry_score"].to(device))
+            # the carry's tokens also seed the raw history a later crop rebuilds carries from
+            group_start = (cache.lengths // pool.ratio) * pool.ratio
+            for slot in range(pool.ratio):
+                present = group_start + slot < cache.lengths
+                index = ((group_start + slot) % pool.recent_size)[present]
+                pool.recent_kv[present, index] = pool.carry[0][present, slot].to(pool.recent_kv.dtype)
+                pool.recent_score[present, index] = pool.carry[1][present, slot].to(pool.recent_score.dtype)
+    cache.pending_replay = True
+    cache.crop_floor = cache.columns  # nothing before the restore point can be rolled back exactly
+    return cache

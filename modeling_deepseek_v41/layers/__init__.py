@@ -1,0 +1,2 @@
+"""The model's layers (nn.Modules with the hub checkpoint's names): attention (CSA2, compressor, indexer), MoE,
+Engram, hyper-connections, rotary embedding, blocks, the vision tower and the DSpark drafter's modules."""

@@ -1,0 +1,129 @@
+"""CSA2 attention: a sliding window of FP8 KV plus, on compressed layers, the top-k rows of a shared pool."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .compressor import DeepseekV41Compressor
+from .indexer import DeepseekV41Indexer
+from ..config.layer_plan import LayerSpec
+from ..kernels.linear import DeepseekV41RMSNorm
+from ..kernels.numerics import fp4_quantize_rows, fp8_act_qdq, weight_dtype
+from ..kernels.linear import DeepseekV41Linear
+from .rotary import apply_rope_tail, rope_angles
+from ..kernels.sparse_attention import sparse_attention
+
+POOL_FP4_BLOCK = 16  # compressed KV: FP4 with E4M3 scales per 16 values
+QUERY_CHUNK = 1024  # queries attended (and indexed) per step of a long prefill
+
+
+@dataclass
+class ForwardShare:
+    """Per-forward CSA2 state, handed down the layers (owned by one forward, never module-level). Pools and keys hold every row visible to this forward (cached and new)."""
+
+    index_keys: dict[int, torch.Tensor] = field(default_factory=dict)  # source -> [B, N, index_head_dim]
+    topk: dict[int, torch.Tensor] = field(default_factory=dict)  # index source -> [B, S, k] pool rows, -1 = none
+    candidates: torch.Tensor | None = None  # [B, S, N] bool, published by the candidate source
+    index_scores: dict[int, torch.Tensor] = field(default_factory=dict)  # filled only when recording
+    record_selection: bool = False  # keep scores and candidates of every index source (tests, inspection)
+    candidate_history: dict[int, torch.Tensor] = field(default_factory=dict)
+    store: object | None = None  # where the layers read and write KV: the cache, or the forward's ChunkStore
+    pool_ready: set[int] = field(default_factory=set)  # pool owners whose rows this forward already wrote
+    window_floor: torch.Tensor | None = None  # [B] lowest position a window may list (bounded replay)
+
+
+class DeepseekV41Attention(nn.Module):
+    """One attention layer. Its role in the CSA2 schedule (window only, pool owner, reindexer or reuser) comes
+    from its `LayerSpec`; shared pools, keys and selections travel through the per-forward `ForwardShare`."""
+
+    def __init__(self, config, spec: LayerSpec, quantized: bool) -> None:
+        super().__init__()
+        self.spec = spec
+        self.n_heads = config.num_attention_heads
+        self.head_dim = config.head_dim
+        self.rope_dim = config.qk_rope_head_dim
+        self.n_groups = config.o_groups
+        self.o_lora_rank = config.o_lora_rank
+        self.window = config.sliding_window
+        self.softmax_scale = self.head_dim**-0.5
+        fp8 = "fp8" if quantized else "dense"
+        self.attn_sink = nn.Parameter(torch.empty(self.n_heads, dtype=weight_dtype(torch.float32)))
+        self.wq_a = DeepseekV41Linear(config.hidden_size, config.q_lora_rank, storage=fp8)
+        self.q_norm = DeepseekV41RMSNorm(config.q_lora_rank, config.rms_norm_eps)
+        self.wq_b = DeepseekV41Linear(config.q_lora_rank, self.n_heads * self.head_dim, storage=fp8)
+        self.wkv = DeepseekV41Linear(config.hidden_size, self.head_dim, storage=fp8)
+        self.kv_norm = DeepseekV41RMSNorm(self.head_dim, config.rms_norm_eps)
+        # block-diagonal over groups: applied as a grouped einsum, in bf16 (exact dequantization of the FP8 bytes)
+        self.wo_a = DeepseekV41Linear(self.n_heads * self.head_dim // self.n_groups, self.n_groups * self.o_lora_rank,
+                                      storage=fp8)
+        self.wo_b = DeepseekV41Linear(self.n_groups * self.o_lora_rank, config.hidden_size, storage=fp8)
+        if spec.owns_pool:
+            self.compressor = DeepseekV41Compressor(config, spec.ratio)
+        if spec.is_index_source:
+            self.indexer = DeepseekV41Indexer(config, spec, quantized)
+
+    def _pool_rows(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, share) -> None:
+        """Compress this chunk into new pool rows (RoPE'd at each group's first token, FP4-QDQ'd) and their
+        index keys, and publish the pool and keys for the layers that read them."""
+        spec, store = self.spec, share.store
+        source = spec.layer_id
+        if source in share.pool_ready:
+            return
+        positions = store.pool_positions(positions)  # tokens already pooled (a replay) are not compressed again
+        out = self.compressor(x, positions, store.carry(source), fixed_shapes=store.fixed_shapes)
+        rotation = rope_angles(out.rows.clamp_min(0) * spec.ratio, inv_freq)
+        keys, key_codes = self.indexer.keys(out.latents, rotation)
+        rotated = apply_rope_tail(out.latents, rotation, self.rope_dim)
+        codes = fp4_quantize_rows(rotated, POOL_FP4_BLOCK, "e4m3")
+        share.index_keys[source] = store.store_pool(source, out, rotated, codes, keys, key_codes, positions, x.dtype)
+
+    def _window(self, kv: torch.Tensor, positions: torch.Tensor, share, queries: slice
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The window entries [B,q,L,hd] and validity of the queries in `queries` (a slice of the chunk)."""
+        return share.store.window_entries(self.spec.layer_id, kv, positions[:, queries], self.window,
+                                          share.window_floor, queries.start)
+
+    def _pool_entries(self, selected: torch.Tensor, share, dtype: torch.dtype) -> torch.Tensor:
+        return share.store.gather_pool(self.spec.pool_source, selected.clamp_min(0), dtype)
+
+    def _output(self, o: torch.Tensor) -> torch.Tensor:
+        batch, seq = o.shape[:2]
+        o = o.reshape(batch, seq, self.n_groups, -1)
+        wo_a = self.wo_a.dense_weight(o.dtype).view(self.n_groups, self.o_lora_rank, -1)
+        o = torch.einsum("bsgd,grd->bsgr", o, wo_a)
+        return self.wo_b(o.flatten(2))
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotation: torch.Tensor, inv_freq: torch.Tensor,
+                share) -> torch.Tensor:
+        """x [B,S,D] normed; positions [B,S] (-1: padding); rotation [B,S,rope/2] at the query positions."""
+        qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        q = apply_rope_tail(q, rotation, self.rope_dim)
+        kv = fp8_act_qdq(apply_rope_tail(self.kv_norm(self.wkv(x)), rotation, self.rope_dim))
+        spec = self.spec
+        selected = None
+        if spec.ratio:
+            if spec.owns_pool:
+                self._pool_rows(x, positions, inv_freq, share)
+            if spec.is_index_source:
+                visible = torch.div(positions + 1, spec.ratio, rounding_mode="floor").clamp_min(0)
+                share.topk[spec.layer_id] = self.indexer(x, qr, rotation, share.index_keys[spec.pool_source],
+                                                         visible, share)
+            selected = share.topk[spec.topk_source]
+        # queries in chunks, so that long prefills gather a bounded number of entries at a time
+        outputs = []
+        for start in range(0, q.shape[1], QUERY_CHUNK):
+            queries = slice(start, start + QUERY_CHUNK)
+            entries, valid = self._window(kv, positions, share, queries)
+            if selected is not None:
+                rows = selected[:, queries]
+                entries = torch.cat([entries, self._pool_entries(rows, share, kv.dtype)], dim=2)
+                valid = torch.cat([valid, rows >= 0], dim=2)
+            outputs.append(sparse_attention(q[:, queries], entries, valid, self.attn_sink, self.softmax_scale))
+        share.store.write_window(spec.layer_id, kv, positions)
+        o = torch.cat(outputs, dim=1)
+        o = apply_rope_tail(o, rotation, self.rope_dim, inverse=True)
+        return self._output(o)

@@ -1,0 +1,119 @@
+"""The CSA2 indexer: FP4 query heads score pool rows through their FP4 index keys and keep the top-k rows."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..kernels.linear import DeepseekV41RMSNorm
+from ..kernels.numerics import fp4_dequantize_rows, fp4_qdq, fp4_quantize_rows, straight_through
+from ..kernels.linear import DeepseekV41Linear
+from .rotary import apply_rope_tail
+from ..kernels.sparse_attention import candidate_mask, candidate_positions, select_candidate_blocks, stable_topk_indices
+
+INDEX_FP4_BLOCK = 32
+QUERY_CHUNK = 1024  # queries scored per step of a long prefill
+GATHER_MAX_QUERIES = 64  # up to this many queries, Reindex layers score only their candidate blocks
+
+
+class DeepseekV41Indexer(nn.Module):
+    """score[s, t] = sum_h relu(q[s,h] . k[t]) * w[s,h], in bf16 like the reference (so ties are exact).
+
+    Owners of a pool (`owns_keys`) also project the pool's latents to index keys. After the candidate source,
+    scoring is restricted to its candidate blocks.
+    """
+
+    def __init__(self, config, spec, quantized: bool) -> None:
+        super().__init__()
+        self.spec = spec
+        self.n_heads = config.index_n_heads
+        self.head_dim = config.index_head_dim
+        self.rope_dim = config.qk_rope_head_dim
+        self.topk = config.index_topk
+        self.candidate_blocks = config.candidate_topk_blocks
+        self.candidate_block_size = config.candidate_block_size
+        self.wq_b = DeepseekV41Linear(config.q_lora_rank, self.n_heads * self.head_dim,
+                                      storage="fp8" if quantized else "dense")
+        self.weights_proj = DeepseekV41Linear(config.hidden_size, self.n_heads)
+        if spec.owns_index_keys:
+            self.wk = DeepseekV41Linear(config.head_dim, self.head_dim)
+            self.k_norm = DeepseekV41RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def keys(self, latents: torch.Tensor, rotation: torch.Tensor
+             ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """Index keys of new pool rows from their pre-RoPE latents (rotation at each row's first token): the FP4
+        values and their (codes, scales)."""
+        k = apply_rope_tail(self.k_norm(self.wk(latents)), rotation, self.rope_dim)
+        codes, scales = fp4_quantize_rows(k, INDEX_FP4_BLOCK, "e8m0")
+        return straight_through(k, fp4_dequantize_rows(codes, scales, k.dtype)), (codes, scales)
+
+    def forward(self, x: torch.Tensor, qr: torch.Tensor, rotation: torch.Tensor, keys: torch.Tensor,
+                visible: torch.Tensor, share) -> torch.Tensor:
+        """x [B,S,D] normed input; qr [B,S,q_lora]; keys [B,N,index_head_dim]; visible [B,S] rows each query may
+        see. Returns selected pool rows [B,S,k] ascending, -1 where nothing visible is left to select."""
+        if callable(keys):  # a cache's packed keys, unpacked once per forward and shared by the pool's indexers
+            keys = share.index_keys[self.spec.pool_source] = keys()
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        q = fp4_qdq(apply_rope_tail(q, rotation, self.rope_dim), INDEX_FP4_BLOCK, "e8m0")
+        weights = self.weights_proj(x) * (self.head_dim**-0.5 * self.n_heads**-0.5)
+        k = min(self.topk, keys.shape[1])
+        # decode-sized steps gather their candidate blocks' keys (cost independent of the pool length); prefills
+        # and short pools score every row once, which is cheaper there
+        gathered = (self.spec.uses_candidates and share.store.decodes_incrementally and self._candidates_cover_topk()
+                    and q.shape[1] <= GATHER_MAX_QUERIES)
+        selections, candidates, recorded = [], [], []
+        for start in range(0, q.shape[1], QUERY_CHUNK):  # bounded score tensors for long prefills
+            queries = slice(start, start + QUERY_CHUNK)
+            if gathered:
+                selections.append(self._select_in_candidates(
+                    q[:, queries], weights[:, queries], keys, visible[:, queries], share.candidates[:, queries], k))
+                continue
+            scores = self._scores(q[:, queries], weights[:, queries], keys, visible[:, queries])
+            if self.spec.is_candidate_source:
+                candidates.append(select_candidate_blocks(scores, visible[:, queries], self.candidate_blocks,
+                                                          self.candidate_block_size))
+            elif self.spec.uses_candidates:
+                mask = candidate_mask(share.candidates[:, queries], self.candidate_block_size, keys.shape[1])
+                scores = scores.masked_fill(~mask, -torch.inf)
+            recorded.append(scores)
+            picked = stable_topk_indices(scores, k).sort(dim=-1).values
+            selections.append(torch.where(picked < visible[:, queries].unsqueeze(-1), picked, -1))
+        if self.spec.is_candidate_source:
+            share.candidates = torch.cat(candidates, dim=1)
+        if share.record_selection and recorded:
+            share.index_scores[self.spec.layer_id] = torch.cat(recorded, dim=1)
+            if self.spec.is_candidate_source:
+                share.candidate_history[self.spec.layer_id] = share.candidates
+        return torch.cat(selections, dim=1)
+
+    def _scores(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor
+                ) -> torch.Tensor:
+        """bf16 index scores [B,q,N] of every pool row, -inf where not yet visible."""
+        scores = torch.einsum("bshd,btd->bsht", q, keys.to(q.dtype))
+        scores = (scores.relu() * weights.unsqueeze(-1)).sum(dim=2)
+        row_ids = torch.arange(keys.shape[1], device=q.device)
+        return scores.masked_fill(row_ids >= visible.unsqueeze(-1), -torch.inf)
+
+    def _candidates_cover_topk(self) -> bool:
+        """Whether every query always has at least top-k reachable candidates once it has top-k visible rows, so
+        scoring only inside the candidate blocks selects what the dense masked scoring selects."""
+        return (self.candidate_blocks - 1) * self.candidate_block_size + 1 >= self.topk
+
+    def _select_in_candidates(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
+                              visible: torch.Tensor, blocks: torch.Tensor, k: int) -> torch.Tensor:
+        """Gather the candidate blocks' keys per query, then score only those (decode cost independent of the
+        pool length); ties still go to the earlier position because candidates are listed in position order."""
+        positions = candidate_positions(blocks, self.candidate_block_size)
+        valid = (positions >= 0) & (positions < visible.unsqueeze(-1))
+        batch, seq, width = positions.shape
+        flat = torch.where(valid, positions, 0).reshape(batch, seq * width, 1).expand(-1, -1, keys.shape[-1])
+        gathered = keys.to(q.dtype).gather(1, flat).view(batch, seq, width, keys.shape[-1])
+        scores = torch.einsum("bshd,bsmd->bshm", q, gathered)
+        scores = (scores.relu() * weights.unsqueeze(-1)).sum(dim=2).masked_fill(~valid, -torch.inf)
+        chosen = stable_topk_indices(scores, min(k, width))
+        picked = torch.where(scores.gather(-1, chosen) > -torch.inf, positions.gather(-1, chosen), -1)
+        picked = torch.where(picked >= 0, picked, keys.shape[1]).sort(dim=-1).values
+        picked = torch.where(picked < keys.shape[1], picked, -1)
+        if picked.shape[-1] < k:
+            picked = torch.cat([picked, picked.new_full((batch, seq, k - picked.shape[-1]), -1)], dim=-1)
+        return picked

@@ -1,0 +1,30 @@
+"""The checkpoint a configuration describes, for tools (converters, the random-checkpoint maker, tests): the
+tensors it stores and checking a folder against it. `from_pretrained` checks against the model it builds instead."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..config.configuration_deepseek_v41 import config_with_device_engram
+from ..loading.checkpoint_layout import check_checkpoint_folder, stored_tensors
+from .causal_lm import DeepseekV41ForCausalLM
+
+
+def held_tensors(config) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """name -> (shape, dtype) of every tensor a model of `config` holds, built on the meta device (no memory)."""
+    with torch.device("meta"):
+        model = DeepseekV41ForCausalLM(config_with_device_engram(config))  # host/mmap tables are stored too
+    return {name: (tuple(tensor.shape), tensor.dtype) for name, tensor in model.state_dict().items()}
+
+
+def expected_tensors(config, hub_layout: bool = True) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """name -> (shape, stored dtype) of the checkpoint of a model of `config` (the hub's layout by default)."""
+    return stored_tensors(held_tensors(config), hub_layout=hub_layout)
+
+
+def validate_checkpoint_folder(folder: str | os.PathLike, config, hub_layout: bool | None = None) -> dict:
+    """Check a local checkpoint folder against `config` from its headers alone; raise naming every problem.
+    Returns the per-pattern tensor counts found."""
+    return check_checkpoint_folder(folder, held_tensors(config), hub_layout=hub_layout)

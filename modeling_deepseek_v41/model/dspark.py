@@ -1,0 +1,168 @@
+"""DSpark drafting: feed the drafter's rings from the backbone taps, draft a block of tokens in one forward, and
+the candidate generator that runs it inside generate() (`use_dspark`)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from transformers import GenerationConfig
+from transformers.generation.candidate_generator import CandidateGenerator
+
+from ..layers.hyper_connections import hc_collapse
+from .backbone import initial_streams
+
+
+class Draft(NamedTuple):
+    ids: torch.Tensor  # [B, block+1]: the given next token, then the drafted tokens
+    logits: torch.Tensor  # [B, block, V] fp32, Markov bias included
+    confidence: torch.Tensor  # [B, block] raw confidence scores (no sigmoid)
+
+
+def project_taps(model, taps: torch.Tensor) -> torch.Tensor:
+    """The backbone taps [..., n_taps*D] projected into the drafter's width (stage 0's `main_proj`, `main_norm`):
+    what every stage's window KV is computed from."""
+    first = model.mtp[0]
+    return first.main_norm(first.main_proj(taps))
+
+
+def feed_dspark_rings(model, taps: torch.Tensor, positions: torch.Tensor, rotation: torch.Tensor, cache) -> None:
+    """Write every processed position's drafter window KV (from the projected taps) into each stage's ring."""
+    main_x = project_taps(model, taps)
+    for block in model.mtp:
+        cache.write_window(block.spec.layer_id, block.attn.tap_kv(main_x, rotation), positions)
+
+
+def dspark_forward(model, block_ids: torch.Tensor, rotation: torch.Tensor,
+                   stage_window: Callable[[torch.nn.Module, torch.dtype], tuple[torch.Tensor, torch.Tensor]]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The drafter's stages over blocks of tokens, shared by drafting and drafter training.
+
+    block_ids [N,K] at rotation [N,K,rope/2]; `stage_window(block, dtype)` gives each stage's window KV [N,L,hd]
+    and validity [N,L]. Returns the last stage's collapsed hidden state [N,K,D] and its head logits (no Markov
+    bias: drafting adds it token by token, training teacher-forced)."""
+    streams, pre_mix = initial_streams(model.embed(block_ids), model.config.text_config.hc_mult)
+    for block in model.mtp:
+        window_kv, window_valid = stage_window(block, streams.dtype)
+        streams, pre_mix, _, _ = block(streams, pre_mix, None, rotation, window_kv, window_valid)
+    hidden = hc_collapse(streams, pre_mix)
+    return hidden, model.head(model.mtp[-1].norm(hidden))
+
+
+def dspark_draft(model, next_ids: torch.Tensor, cache,
+                 choose: Callable[[torch.Tensor, int], torch.Tensor] | None = None) -> Draft:
+    """One drafter forward after the backbone has processed every position up to each row's last one.
+
+    `next_ids` [B] is the backbone's token for the following position. The block [next, noise, ...] runs through
+    the stages at positions p+1 .. p+block; the last stage's logits get the Markov bias of the token before
+    each position, and `choose(logits, i)` (argmax by default) picks the drafted token i from them in order.
+    """
+    text = model.config.text_config
+    size = text.dspark_block_size
+    last = cache.lengths - 1  # each row's last processed position
+    block_ids = next_ids.new_full((next_ids.shape[0], size), text.dspark_noise_token_id)
+    block_ids[:, 0] = next_ids
+    positions = last.unsqueeze(1) + 1 + torch.arange(size, device=last.device)
+    rotation = model.rotary.angles(model.mtp[0].spec, positions)
+    hidden, logits = dspark_forward(model, block_ids, rotation, lambda block, dtype: cache.drafter_window(
+        block.spec.layer_id, last, text.sliding_window, dtype))
+    final = model.mtp[-1]
+    choose = choose or (lambda scores, _: scores.argmax(dim=-1))
+    ids, embeddings = [next_ids], []
+    for i in range(size):
+        bias, embedding = final.markov_head(ids[-1])
+        logits[:, i] = logits[:, i] + bias
+        embeddings.append(embedding)
+        ids.append(choose(logits[:, i], i))
+    confidence = final.confidence_head(hidden, torch.stack(embeddings, dim=1))
+    return Draft(torch.stack(ids, dim=1), logits, confidence)
+
+
+def dspark_generation_config(model, generation_config: GenerationConfig | None, use_dspark: bool | None,
+                             threshold: float | None) -> GenerationConfig:
+    """A copy of the generation config with the DSpark fields set. Drafting runs through transformers' assisted
+    decoding, which the config's `use_mtp` flag selects; the drafter is then ours (see `_get_candidate_generator`)."""
+    config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
+    if use_dspark is not None:
+        config.use_dspark = use_dspark
+    if threshold is not None:
+        config.dspark_confidence_threshold = threshold
+    if getattr(config, "use_dspark", False):
+        if not model.has_dspark:
+            raise ValueError(
+                "use_dspark=True needs the DSpark drafter's weights (the checkpoint's mtp.* tensors), and this "
+                "model has none. Load a checkpoint that includes them, or generate without use_dspark."
+            )
+        config.use_mtp = True
+    return config
+
+
+def verify_count(confidence: torch.Tensor, threshold: float) -> int:
+    """How many drafted tokens to send for verification: the leading run whose cumulative product of
+    sigmoid(confidence) stays at or above `threshold`. Draft i's confidence is computed from the token before
+    it, never from draft i itself. Threshold 0 verifies every draft."""
+    if threshold <= 0:
+        return confidence.shape[-1]
+    survival = torch.cumprod(torch.sigmoid(confidence.float()), dim=-1)
+    return int((survival >= threshold).all(dim=0).cumprod(dim=-1).sum())
+
+
+class DSparkCandidateGenerator(CandidateGenerator):
+    """Drafts `dspark_block_size` tokens per drafter forward from the model's own cache.
+
+    The drafter rings are fed inside the model's forward with every processed position, and cropped with the
+    cache when drafts are rejected. Draft tokens are sampled in order from the (processed) Markov-biased draft
+    logits, which are returned as the draft distribution so that speculative sampling stays lossless.
+    """
+
+    requires_model_outputs = True
+    model_kwargs_overrides: dict = {}
+
+    def __init__(self, model, generation_config: GenerationConfig, logits_processor=None) -> None:
+        self.model = model
+        self.do_sample = bool(generation_config.do_sample)
+        self.logits_processor = logits_processor
+        self.threshold = float(getattr(generation_config, "dspark_confidence_threshold", 0.0) or 0.0)
+        self.drafted = 0
+        self.accepted = 0
+        self.rounds = 0
+
+    def get_candidates(self, input_ids: torch.LongTensor, model_kwargs: dict | None = None, model_outputs=None,
+                       is_first_iteration: bool = False, n_last_matches: int = 0, **kwargs):
+        if is_first_iteration:  # the model's own prefill comes first; drafting needs its cache
+            return input_ids, None
+        cache = model_kwargs["cache"]
+        processed = []
+
+        def choose(scores: torch.Tensor, index: int) -> torch.Tensor:
+            context = torch.cat([input_ids] + [t.unsqueeze(1) for t in chosen], dim=1)
+            if self.logits_processor is not None and len(self.logits_processor) > 0:
+                scores = self.logits_processor(context, scores.clone())
+            processed.append(scores)
+            if self.do_sample:
+                token = torch.multinomial(scores.softmax(dim=-1), 1).squeeze(1)
+            else:
+                token = scores.argmax(dim=-1)
+            chosen.append(token)
+            return token
+
+        chosen: list[torch.Tensor] = []
+        with torch.no_grad():
+            draft = dspark_draft(self.model, input_ids[:, -1], cache, choose)
+        count = verify_count(draft.confidence, self.threshold)
+        self.drafted += count
+        self.rounds += 1
+        if count == 0:
+            return input_ids, None
+        candidates = torch.cat([input_ids, draft.ids[:, 1:1 + count]], dim=1)
+        return candidates, torch.stack(processed[:count], dim=1)
+
+    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
+        self.accepted += int(num_matches)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens gained per verification round: the accepted drafts plus the model's own token."""
+        return 1.0 + self.accepted / max(self.rounds, 1)

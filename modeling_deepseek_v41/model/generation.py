@@ -1,0 +1,122 @@
+"""generate() for DeepSeek-V4.1: a DeepseekV41Cache for every generation, DSpark speculative decoding
+(`use_dspark`), CUDA-graph decode steps (`cuda_graphs=True`) and the call's measured statistics.
+
+What one generate() call needs across transformers' hooks and the forward (the graph decoder, the DSpark candidate
+generator) is a `GenerationRun` held by the call's cache for the call's duration: nothing is stored on the model.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import GenerationMixin
+
+from ..cache.cache import DeepseekV41Cache
+from ..cache.graph_decoder import GenerationGraphs, check_graph_decoding
+from .dspark import DSparkCandidateGenerator, dspark_generation_config
+
+
+@dataclass
+class GenerationRun:
+    """One generate() call's helpers, reachable from its cache (`cache.generation_run`) while it runs."""
+
+    cuda_graphs: bool = False
+    graphs: GenerationGraphs | None = None  # replays the one-token steps (cuda_graphs=True)
+    drafter: DSparkCandidateGenerator | None = None  # drafts candidates (use_dspark=True)
+
+
+class DeepseekV41GenerationMixin(GenerationMixin):
+    """transformers' generation with this model's cache, drafter and graph decoder."""
+
+    @property
+    def has_dspark(self) -> bool:
+        """Whether the DSpark drafter's weights (`mtp.*`) are part of this model."""
+        return len(self.mtp) > 0
+
+    def generate(self, *args, generation_stats: dict | None = None, cuda_graphs: bool = False, **kwargs):
+        """transformers' generate(), plus DSpark speculative decoding: `use_dspark=True` (a generation-config
+        field, also settable in generation_config.json) and `dspark_confidence_threshold`. `cuda_graphs=True`
+        replays the one-token decode steps from a CUDA graph (greedy or sampling, batch of any size, on a CUDA
+        device; not with DSpark or beam search). Pass a dict as `generation_stats` to get the call's measured
+        speed, cache size and draft acceptance in it."""
+        if cuda_graphs:
+            check_graph_decoding(self)
+        use_dspark = kwargs.pop("use_dspark", None)
+        threshold = kwargs.pop("dspark_confidence_threshold", None)
+        base = kwargs.pop("generation_config", None)
+        config = base or self.generation_config
+        if use_dspark is not None or threshold is not None or getattr(config, "use_dspark", False):
+            config = dspark_generation_config(self, base, use_dspark, threshold)
+            kwargs = config.update(**kwargs)  # generation settings go into the copy, the rest stay model inputs
+            kwargs["generation_config"] = config
+        elif base is not None:
+            kwargs["generation_config"] = base
+        cache = kwargs.get("cache")
+        if isinstance(cache, DeepseekV41Cache):
+            cache._is_user_defined = True  # transformers' mark for a cache the caller passed (it outlives the call)
+        if cache is None and kwargs.get("use_cache", getattr(config, "use_cache", True)) is not False:
+            cache = kwargs["cache"] = DeepseekV41Cache(self.config, dspark=bool(getattr(config, "use_dspark", False)))
+        elif cache is None and cuda_graphs:
+            raise ValueError("cuda_graphs=True needs the cache: do not combine it with use_cache=False.")
+        run = GenerationRun(cuda_graphs=cuda_graphs)
+        if isinstance(cache, DeepseekV41Cache):
+            cache.generation_run = run
+        start = time.perf_counter()
+        try:
+            output = super().generate(*args, **kwargs)
+        finally:
+            elapsed = time.perf_counter() - start
+            if run.graphs is not None:
+                run.graphs.close()
+            if isinstance(cache, DeepseekV41Cache):
+                cache.generation_run = None
+        if generation_stats is not None:
+            generation_stats.update(self._generation_stats(output, args, kwargs, elapsed, cache, run.drafter))
+        return output
+
+    @staticmethod
+    def _generation_stats(output, args, kwargs, elapsed: float, cache, drafter) -> dict:
+        sequences = output if isinstance(output, torch.Tensor) else output.sequences
+        prompt = args[0] if args else kwargs.get("input_ids")
+        new_tokens = sequences.numel() - (prompt.numel() if isinstance(prompt, torch.Tensor) else 0)
+        return {
+            "new_tokens": int(new_tokens), "seconds": elapsed, "tokens_per_second": new_tokens / max(elapsed, 1e-9),
+            "cache_global_bytes_per_token": cache.global_bytes_per_token() if cache is not None else None,
+            "dspark_mean_accepted_length": drafter.mean_accepted_length if drafter is not None else None,
+            "dspark_rounds": drafter.rounds if drafter is not None else None,
+        }
+
+    def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor,
+                                 model_kwargs, *args, **kwargs):
+        if getattr(generation_config, "use_dspark", False):
+            drafter = DSparkCandidateGenerator(self, generation_config, logits_processor)
+            run = model_kwargs["cache"].generation_run
+            if run is not None:
+                run.drafter = drafter
+            return drafter
+        return super()._get_candidate_generator(generation_config, input_ids, inputs_tensor, logits_processor,
+                                                model_kwargs, *args, **kwargs)
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs) -> None:
+        """generate() gets a DeepseekV41Cache (the dynamic caches of transformers cannot hold CSA2 pools)."""
+        dspark = bool(getattr(generation_config, "use_dspark", False))
+        cache = model_kwargs.get("cache")
+        run = getattr(cache, "generation_run", None)
+        cuda_graphs = run is not None and run.cuda_graphs
+        if cuda_graphs and (dspark or generation_config.num_beams > 1):
+            raise ValueError("cuda_graphs=True replays one-token steps: it cannot be combined with use_dspark "
+                             "or beam search (num_beams > 1).")
+        if cuda_graphs and generation_config.use_cache is False:
+            raise ValueError("cuda_graphs=True needs the cache: do not combine it with use_cache=False.")
+        if cache is None:
+            if dspark:
+                raise ValueError("use_dspark needs the cache: do not combine it with use_cache=False.")
+            return
+        if dspark and not cache.dspark:
+            raise ValueError("use_dspark needs a cache created with DeepseekV41Cache(config, dspark=True).")
+        if cuda_graphs and cache.dspark:
+            raise ValueError("cuda_graphs=True needs a cache without DSpark rings (DeepseekV41Cache(config)).")
+        if cuda_graphs:
+            run.graphs = GenerationGraphs(self, cache, generation_config.max_length)

@@ -1,0 +1,160 @@
+"""The transformers integration shared by the DeepSeek-V4.1 models: weight initialisation, and the one
+`from_pretrained` path (validate, place, load, post-process; the model is built once, by transformers)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+from transformers import initialization as init
+from transformers.utils import logging
+
+from ..config.configuration_deepseek_v41 import DeepseekV41Config, config_without_dspark
+from ..kernels.linear import STORAGE_FP4, STORAGE_FP8, DeepseekV41Linear, DeepseekV41RMSNorm
+from ..kernels.numerics import quantize_fp4_weight, quantize_fp8_weight
+from ..layers.block import DeepseekV41Block
+from ..layers.engram import DeepseekV41Engram, DeepseekV41EngramTable
+from ..loading import loader
+from ..loading.checkpoint_layout import checkpoint_has_prefix
+from ..loading.tensor_parallel import localize_parameters, register_parallel_styles
+
+logger = logging.get_logger(__name__)
+
+
+class DeepseekV41PreTrainedModel(PreTrainedModel):
+    """Weight initialisation and the transformers integration shared by the DeepSeek-V4.1 models."""
+
+    config_class = DeepseekV41Config
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["DeepseekV41BackboneBlock", "DeepseekV41DSparkBlock"]
+    _keys_to_ignore_on_load_missing = [r"^engram_token_map$"]
+    _supports_sdpa = False
+    _supports_flash_attn = False
+    _can_compile_fullgraph = False
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.text_config.initializer_range
+        if isinstance(module, DeepseekV41Linear):
+            if module.storage in (STORAGE_FP8, STORAGE_FP4):
+                quantize = quantize_fp8_weight if module.storage == STORAGE_FP8 else quantize_fp4_weight
+                weight, scale = quantize(torch.randn(module.out_features, module.in_features) * std)
+                init.copy_(module.weight, weight)
+                init.copy_(module.scale, scale)
+            else:
+                init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, DeepseekV41RMSNorm):
+            init.ones_(module.weight)
+        elif isinstance(module, DeepseekV41EngramTable):
+            if module.quantized:
+                values = torch.randn(module.weight.shape) * std
+                init.copy_(module.weight, values.to(torch.float8_e4m3fn))
+                init.copy_(module.scale, torch.ones(module.scale.shape, dtype=torch.float8_e8m0fnu))
+            else:
+                init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, DeepseekV41Engram):
+            init.ones_(module.q_weight)
+            init.ones_(module.k_weight)
+        elif isinstance(module, nn.Embedding):
+            init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, DeepseekV41Block):
+            for sublayer in ("attn", "ffn"):
+                init.normal_(getattr(module, f"hc_{sublayer}_fn"), mean=0.0, std=std)
+                init.zeros_(getattr(module, f"hc_{sublayer}_base"))
+                init.ones_(getattr(module, f"hc_{sublayer}_scale"))
+            init.zeros_(module.attn.attn_sink)
+            init.normal_(module.ffn.gate.weight, mean=0.0, std=std)
+            init.zeros_(module.ffn.gate.bias)
+            if module.ffn.gate.bias_vl is not None:
+                init.zeros_(module.ffn.gate.bias_vl)
+        elif isinstance(module, DeepseekV41PreTrainedModel):
+            if hasattr(module, "engram_token_map"):
+                init.constant_(module.engram_token_map, -1)
+            for name in ("image_start", "image_end", "image_newline"):
+                if hasattr(module, name):
+                    init.normal_(getattr(module, name), mean=0.0, std=std)
+
+    # -- loading ---------------------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """transformers' loader, plus what the hub checkpoint needs: a checkpoint without the DSpark drafter loads
+        without it, the checkpoint is checked against the built model before any weight is read, the CSA2-aware
+        `device_map="auto"`, tensor parallelism with `tp_plan`, Engram tables kept in host memory or mapped, the
+        Engram token map built from the folder's tokenizer when the weights do not carry it, and
+        `weight_mode="bf16"` dequantization after loading."""
+        hub_kwargs = loader.hub_kwargs_of(kwargs)
+        local = os.path.isdir(pretrained_model_name_or_path) and not kwargs.get("ignore_mismatched_sizes")
+        if local and not checkpoint_has_prefix(pretrained_model_name_or_path, "mtp."):
+            config = kwargs.get("config")
+            if not isinstance(config, DeepseekV41Config):
+                config = cls.config_class.from_pretrained(pretrained_model_name_or_path, **hub_kwargs)
+            if config.text_config.num_nextn_predict_layers:
+                # a checkpoint shipped without the drafter loads without it, rather than with random draft weights
+                logger.warning("The checkpoint has no DSpark drafter weights (mtp.*): loading without the drafter.")
+                kwargs["config"] = config_without_dspark(config)
+        if loader.multi_device_map(kwargs.get("device_map")):
+            # the device map is computed from the module sizes: a skeleton on the meta device, before loading
+            skeleton = cls._skeleton(pretrained_model_name_or_path, kwargs)
+            kwargs["device_map"] = loader.place_skeleton(skeleton, kwargs["device_map"], kwargs.get("max_memory"))
+        tensor_parallel = kwargs.get("tp_plan") is not None or kwargs.get("device_mesh") is not None
+        if tensor_parallel:
+            register_parallel_styles()
+        loaded = super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        model = loaded[0] if isinstance(loaded, tuple) else loaded
+        if tensor_parallel:
+            localize_parameters(model)
+        loader.attach_engram_tables(model, pretrained_model_name_or_path, hub_kwargs)
+        loader.spread_over_devices(model)
+        if hasattr(model, "engram_token_map") and bool((model.engram_token_map < 0).any()):
+            model.build_engram_token_map(loader.load_tokenizer_for_token_map(pretrained_model_name_or_path,
+                                                                             **hub_kwargs))
+        if model.config.weight_mode == "bf16" and model.quantized:
+            model.dequantize_weights()
+        return loaded
+
+    @classmethod
+    def _skeleton(cls, path, kwargs: dict) -> nn.Module:
+        """The model on the meta device, from the checkpoint's config and the call's config overrides."""
+        config = kwargs.get("config")
+        if config is None:
+            config, _ = cls.config_class.from_pretrained(path, return_unused_kwargs=True, **{
+                k: v for k, v in kwargs.items() if k not in ("device_map", "max_memory", "offload_folder")})
+        with torch.device("meta"):
+            return cls(config)
+
+    @staticmethod
+    def _load_pretrained_model(model, state_dict, checkpoint_files, load_config, *args, **kwargs):
+        """Check the checkpoint against the model transformers built (names, shapes, dtypes from the headers)
+        before transformers reads any weight."""
+        loader.check_checkpoint(model, load_config.pretrained_model_name_or_path,
+                                load_config.ignore_mismatched_sizes)
+        return PreTrainedModel._load_pretrained_model(model, state_dict, checkpoint_files, load_config, *args,
+                                                      **kwargs)
+
+    def _adjust_missing_and_unexpected_keys(self, loading_info) -> None:
+        super()._adjust_missing_and_unexpected_keys(loading_info)
+        elsewhere = loader.read_elsewhere(self, set(loading_info.unexpected_keys))
+        if elsewhere:
+            loading_info.unexpected_keys = {k for k in loading_info.unexpected_keys if k not in elsewhere}
+
+    def save_pretrained(self, *args, **kwargs):
+        loader.check_savable(self)
+        return super().save_pretrained(*args, **kwargs)
+
+    def build_engram_token_map(self, tokenizer) -> None:
+        """Build the Engram compressed token map from `tokenizer` (it is saved with the model afterwards)."""
+        text = self.config.text_config
+        token_map = loader.compressed_token_map(tokenizer, text.vocab_size, text.engram_compressed_vocab_size)
+        with torch.no_grad():
+            self.engram_token_map.copy_(token_map.to(self.engram_token_map.device))
+
+    def dequantize_weights(self, dtype: torch.dtype = torch.bfloat16) -> None:
+        """Switch to the bf16 weight mode: dequantize every FP8/FP4 weight exactly, drop the scales, and drop the
+        checkpoint's quantization description from the config (saving then writes dense weights)."""
+        loader.dequantize_module_weights(self, dtype)
+        self.quantized = False
+        self.config.checkpoint_quantization = None
+        self.config.weight_mode = "bf16"
