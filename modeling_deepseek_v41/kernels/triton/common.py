@@ -1,0 +1,154 @@
+"""Triton helpers shared by the kernels: the bit formats (e4m3 rounding, E8M0 power-of-two scales, e2m1 codes)
+and the loaders of one 32-wide K slice of a weight in each storage format.
+
+Imports only torch and triton; the model imports this package lazily, when a CUDA tensor arrives.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+FMT_DENSE = 0  # bf16/fp32 weight [N, K]
+FMT_FP8_TILE = 1  # e4m3 [N, K], E8M0 scale per 32x32 tile [ceil(N/32), ceil(K/32)]
+FMT_FP4_ROW = 2  # packed e2m1 [N, K/2] (even element in the low nibble), E8M0 scale per (row, 32) [N, K/32]
+FMT_FP8_ROW = 3  # e4m3 [N, K] re-encoded from FP4 (values exact), E8M0 scale per (row, 32) [N, K/32]
+
+FP8_MAX = 448.0
+INV_FP8_MAX = 1.0 / 448.0  # rounded to fp32 like torch.tensor(1 / 448, dtype=float32)
+
+
+@triton.jit
+def round_e4m3(v):
+    """fp32 values (already within [-448, 448]) rounded to the nearest e4m3 value, ties to even, as fp32.
+
+    Done in integer arithmetic because the conversion instruction's rounding is not what Triton's interpreter
+    does; the result is exact in e4m3, so a later cast to float8 is exact on every backend."""
+    a = tl.abs(v)
+    bits = a.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)  # 3 mantissa bits
+    # below 2^-6 the grid is multiples of 2^-9: adding 2^14 leaves exactly that quantum (ties to even)
+    steps = (a + 16384.0).to(tl.int32, bitcast=True) - 0x46800000
+    sub = steps.to(tl.float32) * 0.001953125
+    r = tl.where(a < 0.015625, sub, normal)
+    return tl.where(v < 0, -r, r)
+
+
+@triton.jit
+def _larger(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def abs_max(x, axis: tl.constexpr):
+    """max |x| along `axis` (tl.reduce with our own combine: Triton's interpreter runs it whenever triton was
+    imported, unlike tl.max, a library function fixed as compiled-only when triton is imported without it)."""
+    return tl.reduce(tl.abs(x), axis, _larger)
+
+
+@triton.jit
+def pow2_ceil_scale(amax):
+    """2^ceil(log2(amax / 448)) from the bits of the fp32 product amax * fp32(1/448) (numerics._pow2_ceil_scale)."""
+    product = amax * 0.002232142857142857
+    bits = product.to(tl.int32, bitcast=True)
+    exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    return (exponent << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e2m1_value(code):
+    """fp32 value of 4-bit e2m1 codes (int32, bit 3 = sign): 0, .5, 1, 1.5, 2, 3, 4, 6 (all exact in e4m3)."""
+    exponent = (code >> 1) & 3
+    mantissa = (code & 1).to(tl.float32)
+    normal = (1.0 + 0.5 * mantissa) * ((1 << exponent).to(tl.float32) * 0.5)
+    magnitude = tl.where(exponent == 0, 0.5 * mantissa, normal)
+    return tl.where((code & 8) != 0, -magnitude, magnitude)
+
+
+@triton.jit
+def e8m0_value(s_ptrs, mask):
+    """fp32 power of two from E8M0 bytes (2^(byte - 127); byte 0 is 2^-127, a subnormal fp32)."""
+    byte = tl.load(s_ptrs, mask=mask, other=127).to(tl.int32) & 0xFF
+    normal = (byte << 23).to(tl.float32, bitcast=True)
+    return tl.where(byte == 0, 5.877471754111438e-39, normal)
+
+
+@triton.jit
+def k_slice(k0, SUB: tl.constexpr, WFMT: tl.constexpr):
+    """Column indices of one 32-wide K slice starting at k0. For packed FP4 weights the slice is read in the order
+    (even elements, odd elements) so that each half is one contiguous run of bytes; activations are read in the
+    same order, so the dot is unchanged (a sum has no order beyond fp32 rounding)."""
+    r = tl.arange(0, SUB)
+    if WFMT == 2:
+        return k0 + (r % 16) * 2 + r // 16
+    else:
+        return k0 + r
+
+
+@triton.jit
+def weight_slice(w_ptr, s_ptr, offs_n, k0, N, K, stride_wn, stride_sn,
+                 SUB: tl.constexpr, WFMT: tl.constexpr, FP8_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """One [BN, 32] slice of the weight at columns k0..k0+31 and its per-row scale [BN] (1.0 for dense weights).
+
+    FP8_DOT: the e4m3 values and the scale apart (the scale is applied to the fp32 dot); otherwise the exactly
+    dequantized weight in DOT_DTYPE (e4m3/e2m1 times a power of two is exact in bf16) and a scale of 1."""
+    r = tl.arange(0, SUB)
+    n_mask = offs_n < N
+    mask = n_mask[:, None] & ((k0 + r)[None, :] < K)
+    if WFMT == 0:
+        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + (k0 + r)[None, :], mask=mask, other=0.0)
+        return w.to(DOT_DTYPE), tl.full([offs_n.shape[0]], 1.0, tl.float32)
+    if WFMT == 1:
+        scale = e8m0_value(s_ptr + (offs_n // 32) * stride_sn + k0 // 32, n_mask)
+    else:
+        scale = e8m0_value(s_ptr + offs_n * stride_sn + k0 // 32, n_mask)
+    if WFMT == 2:
+        # bytes k0/2 + (r % 16): the first 16 columns take the low nibbles (even k), the last 16 the high (odd k)
+        byte = tl.load(w_ptr + offs_n[:, None] * stride_wn + (k0 // 2 + r % 16)[None, :], mask=mask, other=0)
+        code = (byte.to(tl.int32) >> ((r // 16) * 4)[None, :]) & 15
+        values = e2m1_value(code)
+        if FP8_DOT:
+            return values.to(tl.float8e4nv), scale
+        return (values * scale[:, None]).to(DOT_DTYPE), tl.full([offs_n.shape[0]], 1.0, tl.float32)
+    w = tl.load(w_ptr + offs_n[:, None] * stride_wn + (k0 + r)[None, :], mask=mask, other=0.0)
+    if FP8_DOT:
+        return w, scale
+    return (w.to(tl.float32) * scale[:, None]).to(DOT_DTYPE), tl.full([offs_n.shape[0]], 1.0, tl.float32)
+
+
+@triton.jit
+def act_slice_t(x_ptr, xs_ptr, rows, row_mask, k0, K, stride_xm, stride_xsm,
+                SUB: tl.constexpr, WFMT: tl.constexpr, FP8_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """The activations' [32, BM] slice (transposed: K by rows) at columns k0.., in the weight slice's column order,
+    and its per-row scale [BM]: FP8 values and their group's scales (FP8_DOT), or the (already exactly QDQ'd, or
+    dense) activations in DOT_DTYPE with scale 1."""
+    cols = k_slice(k0, SUB, WFMT)
+    mask = (cols[:, None] < K) & row_mask[None, :]
+    x = tl.load(x_ptr + rows[None, :] * stride_xm + cols[:, None], mask=mask, other=0.0)
+    if FP8_DOT:
+        scale = tl.load(xs_ptr + rows * stride_xsm + k0 // 32, mask=row_mask, other=1.0)
+        return x, scale
+    return x.to(DOT_DTYPE), tl.full([rows.shape[0]], 1.0, tl.float32)
+
+
+@triton.jit
+def dot_k_range(acc, w_ptr, s_ptr, x_ptr, xs_ptr, offs_n, rows, row_mask, k_start, k_stop, N, K,
+                stride_wn, stride_sn, stride_xm, stride_xsm,
+                BK: tl.constexpr, WFMT: tl.constexpr, FP8_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                IEEE: tl.constexpr):
+    """acc[BN, BM] += W[offs_n, k_start:k_stop] @ X[rows, k_start:k_stop]^T in 32-wide slices, fixed order."""
+    SUB: tl.constexpr = 32
+    for k in range(k_start, k_stop, BK):
+        for j in tl.static_range(BK // SUB):
+            k0 = k + j * SUB
+            w, ws = weight_slice(w_ptr, s_ptr, offs_n, k0, N, K, stride_wn, stride_sn, SUB, WFMT, FP8_DOT,
+                                 DOT_DTYPE)
+            x, xs = act_slice_t(x_ptr, xs_ptr, rows, row_mask, k0, K, stride_xm, stride_xsm, SUB, WFMT, FP8_DOT,
+                                DOT_DTYPE)
+            if FP8_DOT:
+                acc += tl.dot(w, x) * ws[:, None] * xs[None, :]
+            elif IEEE:
+                acc = tl.dot(w, x, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w, x, acc)
+    return acc

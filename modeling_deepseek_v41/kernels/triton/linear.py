@@ -1,0 +1,160 @@
+"""Linears on the GPU: block-scaled FP8, packed FP4 (or its FP8 re-encode) and dense bf16/fp32 weights.
+
+Two regimes, chosen by the row count M only:
+- decode (M <= DECODE_MAX_ROWS): one fixed tiling (weight rows x 16 token columns, swapped so the weight fills the
+  tensor core's wide side) and a split-K count that depends on (N, K) alone, so a row's result never depends on M
+  or on the other rows (batch invariant). The FP8/FP4 weight is dequantized exactly to bf16 in registers and
+  multiplied with the exactly QDQ'd activation (also exact in bf16) with fp32 accumulation: the emulation's
+  numbers up to fp32 summation order. With M <= 16 every weight byte is read once per call.
+- prefill (M > DECODE_MAX_ROWS): large tiles, and for quantized weights FP8 tensor-core dots on the e4m3 values
+  with the two power-of-two scales applied to each 32-wide K slice's fp32 result.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import FMT_DENSE, FMT_FP4_ROW, FMT_FP8_ROW, FMT_FP8_TILE, dot_k_range
+from .quant import fp8_act_qdq, fp8_act_quant
+
+DECODE_MAX_ROWS = 256
+DECODE_TILE = {"BN": 64, "BM": 16, "BK": 128, "num_warps": 4, "num_stages": 3}
+PREFILL_TILE = {"BN": 128, "BM": 128, "BK": 64, "num_warps": 8, "num_stages": 3}
+SPLIT_TARGET_PROGRAMS = 264  # about two waves on a 132-SM H200; a constant, so the split depends on (N, K) only
+
+
+@triton.jit
+def _linear_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_chunk,
+                   stride_xm, stride_xsm, stride_wn, stride_sn, stride_os, stride_om,
+                   BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, WFMT: tl.constexpr,
+                   FP8_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr):
+    """out[split, m, n] = sum over this split's K range of x[m, k] w[n, k] (acc[BN, BM] holds the transpose)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    rows = pid_m * BM + tl.arange(0, BM)
+    row_mask = rows < M
+    k_start = pid_s * k_chunk
+    k_stop = tl.minimum(k_start + k_chunk, K)
+    acc = tl.full([BN, BM], 0.0, tl.float32)
+    acc = dot_k_range(acc, w_ptr, s_ptr, x_ptr, xs_ptr, offs_n, rows, row_mask, k_start, k_stop, N, K,
+                      stride_wn, stride_sn, stride_xm, stride_xsm, BK, WFMT, FP8_DOT, DOT_DTYPE, IEEE)
+    mask = (offs_n[:, None] < N) & row_mask[None, :]
+    ptrs = out_ptr + pid_s * stride_os + rows[None, :] * stride_om + offs_n[:, None]
+    tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _split_sum_kernel(part_ptr, out_ptr, total, splits, BLOCK: tl.constexpr):
+    """out = sum of the split partials in split order (fixed, so deterministic), cast to out's dtype."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < total
+    acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
+    for s in range(1, splits):
+        acc += tl.load(part_ptr + s * total + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def split_count(n: int, k: int, tile: dict = DECODE_TILE) -> tuple[int, int]:
+    """(splits, K columns per split) for the decode regime: enough programs to fill the GPU at M = 1, from the
+    weight's shape alone."""
+    k_blocks = triton.cdiv(k, tile["BK"])
+    wanted = max(1, triton.cdiv(SPLIT_TARGET_PROGRAMS, triton.cdiv(n, tile["BN"])))
+    per_split = triton.cdiv(k_blocks, min(k_blocks, wanted))
+    return triton.cdiv(k_blocks, per_split), per_split * tile["BK"]
+
+
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+def dot_dtype_for(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The dot's operand dtype. On the CPU (Triton's interpreter, whose dots on 16-bit floats are wrong) the same
+    values go through an fp32 dot: they are exact in bf16, so only the summation order can differ."""
+    return torch.float32 if device.type == "cpu" else dtype
+
+
+def _run(x2d: torch.Tensor, xs: torch.Tensor | None, weight: torch.Tensor, scale: torch.Tensor | None, fmt: int,
+         n: int, k: int, out_dtype: torch.dtype, fp8_dot: bool, dot_dtype: torch.dtype) -> torch.Tensor:
+    m = x2d.shape[0]
+    dot_dtype = dot_dtype_for(x2d.device, dot_dtype)
+    decode = m <= DECODE_MAX_ROWS
+    tile = DECODE_TILE if decode else PREFILL_TILE
+    if dot_dtype == torch.float32:  # fp32 operands take twice the shared memory per pipeline stage
+        tile = dict(tile, num_stages=2)
+    splits, k_chunk = split_count(n, k, tile) if decode else (1, triton.cdiv(k, tile["BK"]) * tile["BK"])
+    out = torch.empty(m, n, dtype=out_dtype, device=x2d.device)
+    target = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x2d.device)
+    s_arg = weight if scale is None else scale.view(torch.uint8)
+    xs_arg = x2d if xs is None else xs
+    grid = (triton.cdiv(m, tile["BM"]), triton.cdiv(n, tile["BN"]), splits)
+    _linear_kernel[grid](
+        x2d, xs_arg, weight, s_arg, target, m, n, k, k_chunk,
+        x2d.stride(0), xs_arg.stride(0), weight.stride(0), 0 if scale is None else scale.stride(0),
+        m * n, n, BN=tile["BN"], BM=tile["BM"], BK=tile["BK"], WFMT=fmt, FP8_DOT=fp8_dot,
+        DOT_DTYPE=_TL_DTYPES[dot_dtype], IEEE=dot_dtype == torch.float32,
+        num_warps=tile["num_warps"], num_stages=tile["num_stages"])
+    if splits > 1:
+        block = 1024
+        _split_sum_kernel[(triton.cdiv(m * n, block),)](target, out, m * n, splits, BLOCK=block)
+    return out
+
+
+def _quantized(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt: int, n: int, k: int,
+               fp8_dot: bool | None) -> torch.Tensor:
+    if x.shape[-1] != k:
+        raise ValueError(f"input has {x.shape[-1]} features, the weight expects {k}")
+    rows = x.reshape(-1, k)
+    if fp8_dot is None:
+        fp8_dot = rows.shape[0] > DECODE_MAX_ROWS
+    if fp8_dot:
+        q, xs = fp8_act_quant(rows)
+        out = _run(q, xs, weight, scale, fmt, n, k, x.dtype, True, torch.bfloat16)
+    else:
+        out = _run(fp8_act_qdq(rows, torch.bfloat16), None, weight, scale, fmt, n, k, x.dtype, False,
+                   torch.bfloat16)
+    return out.view(*x.shape[:-1], n)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fp8_dot: bool | None = None
+               ) -> torch.Tensor:
+    """DeepseekV41Linear.forward for FP8 storage: x [..., K] (bf16/fp32) -> [..., N] in x's dtype.
+
+    weight: e4m3 [N, K] contiguous; scale: E8M0 (float8_e8m0fnu or its uint8 bytes) [ceil(N/32), ceil(K/32)].
+    fp8_dot: None picks FP8 tensor-core dots for prefill-sized calls and exact bf16 dots for decode-sized ones."""
+    n, k = weight.shape
+    return _quantized(x, weight, scale, FMT_FP8_TILE, n, k, fp8_dot)
+
+
+def fp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, fp8_dot: bool | None = None
+               ) -> torch.Tensor:
+    """DeepseekV41Linear.forward for FP4 storage: packed e2m1 [N, K/2] (int8, even element in the low nibble),
+    E8M0 scale [N, K/32]; the nibbles are unpacked in registers (W4A8 with fp8_dot, else exact W4A16)."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    return _quantized(x, packed, scale, FMT_FP4_ROW, n, k, fp8_dot)
+
+
+def fp8_row_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fp8_dot: bool | None = None
+                   ) -> torch.Tensor:
+    """fp4_linear for a weight re-encoded at load by quant.fp4_to_fp8_weight: e4m3 [N, K], E8M0 scale [N, K/32]."""
+    n, k = weight.shape
+    return _quantized(x, weight, scale, FMT_FP8_ROW, n, k, fp8_dot)
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.linear(x.to(weight.dtype), weight) for a bf16/fp16/fp32 weight [N, K], batch invariant up to
+    DECODE_MAX_ROWS rows (cuBLAS picks its kernel by M). fp32 weights use true fp32 products (no TF32)."""
+    if weight.dtype not in _TL_DTYPES:
+        raise TypeError(f"dense_linear takes a bf16, fp16 or fp32 weight, got {weight.dtype}")
+    n, k = weight.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"input has {x.shape[-1]} features, the weight expects {k}")
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    rows = x.reshape(-1, k)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = _run(rows, None, weight, None, FMT_DENSE, n, k, weight.dtype, False, weight.dtype)
+    return out.view(*x.shape[:-1], n)
