@@ -35,15 +35,30 @@ def round_e4m3(v):
 
 
 @triton.jit
+def cast(x, DTYPE: tl.constexpr):
+    """fp32 -> DTYPE rounding to nearest even; bf16 done in integer arithmetic (Triton's interpreter truncates)."""
+    if DTYPE == tl.bfloat16:
+        bits = x.to(tl.float32).to(tl.int32, bitcast=True)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+        return rounded.to(tl.bfloat16)
+    else:
+        return x.to(DTYPE)
+
+
+@triton.jit
 def _larger(a, b):
     return tl.maximum(a, b)
 
 
+# Triton's own max combine where it exists: the interpreter reduces with it in one numpy call
+_MAX_COMBINE = getattr(tl.standard, "_elementwise_max", _larger)
+
+
 @triton.jit
 def abs_max(x, axis: tl.constexpr):
-    """max |x| along `axis` (tl.reduce with our own combine: Triton's interpreter runs it whenever triton was
-    imported, unlike tl.max, a library function fixed as compiled-only when triton is imported without it)."""
-    return tl.reduce(tl.abs(x), axis, _larger)
+    """max |x| along `axis`. tl.reduce rather than tl.max: tl.max is fixed as compiled-only when triton was
+    imported before TRITON_INTERPRET was set (the model package imports it), tl.reduce is patched either way."""
+    return tl.reduce(tl.abs(x), axis, _MAX_COMBINE)
 
 
 @triton.jit
@@ -117,8 +132,8 @@ def weight_slice(w_ptr, s_ptr, offs_n, k0, N, K, stride_wn, stride_sn,
 
 
 @triton.jit
-def act_slice_t(x_ptr, xs_ptr, rows, row_mask, k0, K, stride_xm, stride_xsm,
-                SUB: tl.constexpr, WFMT: tl.constexpr, FP8_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr):
+def act_slice_t(x_ptr, xs_ptr, rows, row_mask, k0, K, stride_xm, stride_xsm, SUB: tl.constexpr,
+                WFMT: tl.constexpr, FP8_DOT: tl.constexpr, X_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """The activations' [32, BM] slice (transposed: K by rows) at columns k0.., in the weight slice's column order,
     and its per-row scale [BM]: FP8 values and their group's scales (FP8_DOT), or the (already exactly QDQ'd, or
     dense) activations in DOT_DTYPE with scale 1."""
@@ -128,15 +143,16 @@ def act_slice_t(x_ptr, xs_ptr, rows, row_mask, k0, K, stride_xm, stride_xsm,
     if FP8_DOT:
         scale = tl.load(xs_ptr + rows * stride_xsm + k0 // 32, mask=row_mask, other=1.0)
         return x, scale
-    return x.to(DOT_DTYPE), tl.full([rows.shape[0]], 1.0, tl.float32)
+    return cast(x, X_DTYPE).to(DOT_DTYPE), tl.full([rows.shape[0]], 1.0, tl.float32)
 
 
 @triton.jit
 def dot_k_range(acc, w_ptr, s_ptr, x_ptr, xs_ptr, offs_n, rows, row_mask, k_start, k_stop, N, K,
                 stride_wn, stride_sn, stride_xm, stride_xsm,
-                BK: tl.constexpr, WFMT: tl.constexpr, FP8_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                IEEE: tl.constexpr):
-    """acc[BN, BM] += W[offs_n, k_start:k_stop] @ X[rows, k_start:k_stop]^T in 32-wide slices, fixed order."""
+                BK: tl.constexpr, WFMT: tl.constexpr, FP8_DOT: tl.constexpr, X_DTYPE: tl.constexpr,
+                DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr):
+    """acc[BN, BM] += W[offs_n, k_start:k_stop] @ X[rows, k_start:k_stop]^T in 32-wide slices, fixed order.
+    X is rounded to X_DTYPE (the weight's dtype for dense weights, as F.linear(x.to(w.dtype), w) does)."""
     SUB: tl.constexpr = 32
     for k in range(k_start, k_stop, BK):
         for j in tl.static_range(BK // SUB):
@@ -144,7 +160,7 @@ def dot_k_range(acc, w_ptr, s_ptr, x_ptr, xs_ptr, offs_n, rows, row_mask, k_star
             w, ws = weight_slice(w_ptr, s_ptr, offs_n, k0, N, K, stride_wn, stride_sn, SUB, WFMT, FP8_DOT,
                                  DOT_DTYPE)
             x, xs = act_slice_t(x_ptr, xs_ptr, rows, row_mask, k0, K, stride_xm, stride_xsm, SUB, WFMT, FP8_DOT,
-                                DOT_DTYPE)
+                                X_DTYPE, DOT_DTYPE)
             if FP8_DOT:
                 acc += tl.dot(w, x) * ws[:, None] * xs[None, :]
             elif IEEE:

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import FMT_DENSE, FMT_FP4_ROW, FMT_FP8_ROW, FMT_FP8_TILE, dot_k_range
+from .common import FMT_DENSE, FMT_FP4_ROW, FMT_FP8_ROW, FMT_FP8_TILE, cast, dot_k_range
 from .quant import fp8_act_qdq, fp8_act_quant
 
 DECODE_MAX_ROWS = 256
@@ -29,7 +29,7 @@ SPLIT_TARGET_PROGRAMS = 264  # about two waves on a 132-SM H200; a constant, so 
 def _linear_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_chunk,
                    stride_xm, stride_xsm, stride_wn, stride_sn, stride_os, stride_om,
                    BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, WFMT: tl.constexpr,
-                   FP8_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr):
+                   FP8_DOT: tl.constexpr, X_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr):
     """out[split, m, n] = sum over this split's K range of x[m, k] w[n, k] (acc[BN, BM] holds the transpose)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -41,10 +41,10 @@ def _linear_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_chunk,
     k_stop = tl.minimum(k_start + k_chunk, K)
     acc = tl.full([BN, BM], 0.0, tl.float32)
     acc = dot_k_range(acc, w_ptr, s_ptr, x_ptr, xs_ptr, offs_n, rows, row_mask, k_start, k_stop, N, K,
-                      stride_wn, stride_sn, stride_xm, stride_xsm, BK, WFMT, FP8_DOT, DOT_DTYPE, IEEE)
+                      stride_wn, stride_sn, stride_xm, stride_xsm, BK, WFMT, FP8_DOT, X_DTYPE, DOT_DTYPE, IEEE)
     mask = (offs_n[:, None] < N) & row_mask[None, :]
     ptrs = out_ptr + pid_s * stride_os + rows[None, :] * stride_om + offs_n[:, None]
-    tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(ptrs, cast(acc, out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -55,7 +55,7 @@ def _split_sum_kernel(part_ptr, out_ptr, total, splits, BLOCK: tl.constexpr):
     acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
     for s in range(1, splits):
         acc += tl.load(part_ptr + s * total + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + offs, cast(acc, out_ptr.dtype.element_ty), mask=mask)
 
 
 def split_count(n: int, k: int, tile: dict = DECODE_TILE) -> tuple[int, int]:
@@ -79,6 +79,7 @@ def dot_dtype_for(device: torch.device, dtype: torch.dtype) -> torch.dtype:
 def _run(x2d: torch.Tensor, xs: torch.Tensor | None, weight: torch.Tensor, scale: torch.Tensor | None, fmt: int,
          n: int, k: int, out_dtype: torch.dtype, fp8_dot: bool, dot_dtype: torch.dtype) -> torch.Tensor:
     m = x2d.shape[0]
+    x_dtype = dot_dtype
     dot_dtype = dot_dtype_for(x2d.device, dot_dtype)
     decode = m <= DECODE_MAX_ROWS
     tile = DECODE_TILE if decode else PREFILL_TILE
@@ -94,7 +95,7 @@ def _run(x2d: torch.Tensor, xs: torch.Tensor | None, weight: torch.Tensor, scale
         x2d, xs_arg, weight, s_arg, target, m, n, k, k_chunk,
         x2d.stride(0), xs_arg.stride(0), weight.stride(0), 0 if scale is None else scale.stride(0),
         m * n, n, BN=tile["BN"], BM=tile["BM"], BK=tile["BK"], WFMT=fmt, FP8_DOT=fp8_dot,
-        DOT_DTYPE=_TL_DTYPES[dot_dtype], IEEE=dot_dtype == torch.float32,
+        X_DTYPE=_TL_DTYPES[x_dtype], DOT_DTYPE=_TL_DTYPES[dot_dtype], IEEE=dot_dtype == torch.float32,
         num_warps=tile["num_warps"], num_stages=tile["num_stages"])
     if splits > 1:
         block = 1024

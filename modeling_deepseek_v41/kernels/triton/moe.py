@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import FMT_DENSE, FMT_FP4_ROW, FMT_FP8_ROW, abs_max, dot_k_range, pow2_ceil_scale, round_e4m3
+from .common import FMT_DENSE, FMT_FP4_ROW, FMT_FP8_ROW, abs_max, cast, dot_k_range, pow2_ceil_scale, round_e4m3
 from .linear import _TL_DTYPES, dot_dtype_for
 from .quant import fp8_act_qdq
 
@@ -38,7 +38,7 @@ def _moe_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, route_ptr, pair
                    block_start_ptr, block_end_ptr, N, K, top_k, limit,
                    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_hm,
                    BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, WFMT: tl.constexpr,
-                   DOT_DTYPE: tl.constexpr, ROUND_DTYPE: tl.constexpr, H_DTYPE: tl.constexpr,
+                   X_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, ROUND_DTYPE: tl.constexpr, H_DTYPE: tl.constexpr,
                    HAS_LIMIT: tl.constexpr, QDQ_OUT: tl.constexpr, IEEE: tl.constexpr):
     """h[sorted row, n] for one block of rows of one expert: both projections from one read of the activations."""
     b = tl.program_id(0)
@@ -51,17 +51,17 @@ def _moe_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, route_ptr, pair
     gate = tl.full([BN, BM], 0.0, tl.float32)
     up = tl.full([BN, BM], 0.0, tl.float32)
     gate = dot_k_range(gate, w1_ptr + expert * stride_we, s1_ptr + expert * stride_se, x_ptr, x_ptr, offs_n, tokens,
-                       mask, 0, K, N, K, stride_wn, stride_sn, stride_xm, 0, BK, WFMT, False, DOT_DTYPE, IEEE)
+                       mask, 0, K, N, K, stride_wn, stride_sn, stride_xm, 0, BK, WFMT, False, X_DTYPE, DOT_DTYPE, IEEE)
     up = dot_k_range(up, w3_ptr + expert * stride_we, s3_ptr + expert * stride_se, x_ptr, x_ptr, offs_n, tokens,
-                     mask, 0, K, N, K, stride_wn, stride_sn, stride_xm, 0, BK, WFMT, False, DOT_DTYPE, IEEE)
-    gate = gate.to(ROUND_DTYPE).to(tl.float32)
-    up = up.to(ROUND_DTYPE).to(tl.float32)
+                     mask, 0, K, N, K, stride_wn, stride_sn, stride_xm, 0, BK, WFMT, False, X_DTYPE, DOT_DTYPE, IEEE)
+    gate = cast(gate, ROUND_DTYPE).to(tl.float32)
+    up = cast(up, ROUND_DTYPE).to(tl.float32)
     if HAS_LIMIT:
         up = tl.minimum(tl.maximum(up, -limit), limit)
         gate = tl.minimum(gate, limit)
     route = tl.load(route_ptr + pair, mask=mask, other=0.0)
     h = route[None, :] * (gate / (1.0 + tl.exp(-gate)) * up)
-    h = h.to(H_DTYPE).to(tl.float32)
+    h = cast(h, H_DTYPE).to(tl.float32)
     if QDQ_OUT:
         # the down projection's FP8 activation QDQ: the tile holds whole groups of 32 along N
         groups = tl.reshape(h, [BN // 32, 32, BM])
@@ -70,14 +70,14 @@ def _moe_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, route_ptr, pair
         q = round_e4m3(tl.minimum(tl.maximum(groups / scale[:, None, :], -448.0), 448.0))
         h = tl.reshape(q * scale[:, None, :], [BN, BM])
     ptrs = h_ptr + sorted_rows[None, :] * stride_hm + offs_n[:, None]
-    tl.store(ptrs, h.to(h_ptr.dtype.element_ty), mask=mask[None, :] & (offs_n[:, None] < N))
+    tl.store(ptrs, cast(h, h_ptr.dtype.element_ty), mask=mask[None, :] & (offs_n[:, None] < N))
 
 
 @triton.jit
 def _moe_down_kernel(h_ptr, w2_ptr, s2_ptr, c_ptr, pair_ptr, block_expert_ptr, block_start_ptr, block_end_ptr,
                      N, K, stride_hm, stride_we, stride_wn, stride_se, stride_sn, stride_cm,
                      BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, WFMT: tl.constexpr,
-                     DOT_DTYPE: tl.constexpr, ROUND_DTYPE: tl.constexpr, IEEE: tl.constexpr):
+                     X_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, ROUND_DTYPE: tl.constexpr, IEEE: tl.constexpr):
     """contribution[pair, n] = h[sorted row] @ w2[expert]^T, rounded to the activation dtype."""
     b = tl.program_id(0)
     start, end, sorted_rows, mask, pair = _block_rows(block_start_ptr, block_end_ptr, pair_ptr, b, BM)
@@ -88,9 +88,10 @@ def _moe_down_kernel(h_ptr, w2_ptr, s2_ptr, c_ptr, pair_ptr, block_expert_ptr, b
     acc = tl.full([BN, BM], 0.0, tl.float32)
     acc = dot_k_range(acc, w2_ptr + expert * stride_we, s2_ptr + expert * stride_se, h_ptr, h_ptr, offs_n,
                       sorted_rows, mask, 0, K, N, K, stride_wn, stride_sn, stride_hm, 0, BK, WFMT, False,
-                      DOT_DTYPE, IEEE)
+                      X_DTYPE, DOT_DTYPE, IEEE)
     ptrs = c_ptr + pair[None, :] * stride_cm + offs_n[:, None]
-    tl.store(ptrs, acc.to(ROUND_DTYPE).to(c_ptr.dtype.element_ty), mask=mask[None, :] & (offs_n[:, None] < N))
+    out = cast(cast(acc, ROUND_DTYPE).to(tl.float32), c_ptr.dtype.element_ty)
+    tl.store(ptrs, out, mask=mask[None, :] & (offs_n[:, None] < N))
 
 
 @triton.jit
@@ -167,6 +168,7 @@ def grouped_moe(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
         dot_dtype = round_dtype = w1.dtype
     # h is rounded to the activation dtype; once QDQ'd (quantized experts) it is exact in bf16
     h = torch.empty(t * top_k, inter, dtype=torch.bfloat16 if quantized else act_dtype, device=tokens.device)
+    x_dtype = dot_dtype
     dot_dtype = dot_dtype_for(tokens.device, dot_dtype)
     ieee = dot_dtype == torch.float32
     route = weights.reshape(-1).to(torch.float32).contiguous()
@@ -176,7 +178,8 @@ def grouped_moe(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
     _moe_up_kernel[(nb, triton.cdiv(inter, tile["BN"]))](
         x, w1, s1_arg, w3, s3_arg, h, route, pair_of_row, block_expert, block_start, block_end, inter, d, top_k,
         float(limit), x.stride(0), w1.stride(0), w1.stride(1), s_e, s_n, h.stride(0),
-        BN=tile["BN"], BM=tile["BM"], BK=tile["BK"], WFMT=fmt, DOT_DTYPE=_TL_DTYPES[dot_dtype],
+        BN=tile["BN"], BM=tile["BM"], BK=tile["BK"], WFMT=fmt, X_DTYPE=_TL_DTYPES[x_dtype],
+        DOT_DTYPE=_TL_DTYPES[dot_dtype],
         ROUND_DTYPE=_TL_DTYPES[round_dtype], H_DTYPE=_TL_DTYPES[act_dtype], HAS_LIMIT=limit > 0,
         QDQ_OUT=quantized, IEEE=ieee, num_warps=tile["num_warps"], num_stages=tile["num_stages"])
     contributions = torch.empty(t * top_k, d, dtype=act_dtype, device=tokens.device)
@@ -184,7 +187,8 @@ def grouped_moe(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
     _moe_down_kernel[(nb, triton.cdiv(d, tile["BN"]))](
         h, w2, s2_arg, contributions, pair_of_row, block_expert, block_start, block_end, d, inter, h.stride(0),
         w2.stride(0), w2.stride(1), s_e, s_n, contributions.stride(0),
-        BN=tile["BN"], BM=tile["BM"], BK=tile["BK"], WFMT=fmt, DOT_DTYPE=_TL_DTYPES[dot_dtype],
+        BN=tile["BN"], BM=tile["BM"], BK=tile["BK"], WFMT=fmt, X_DTYPE=_TL_DTYPES[x_dtype],
+        DOT_DTYPE=_TL_DTYPES[dot_dtype],
         ROUND_DTYPE=_TL_DTYPES[round_dtype], IEEE=ieee, num_warps=tile["num_warps"], num_stages=tile["num_stages"])
     order = experts.argsort(dim=-1, stable=True).to(torch.int32).contiguous()
     y = torch.empty(t, d, dtype=torch.float32, device=tokens.device)

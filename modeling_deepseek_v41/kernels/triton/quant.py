@@ -12,29 +12,37 @@ GROUP = 32
 
 
 @triton.jit
-def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm,
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, n_groups, groups_per_row, stride_xm, stride_qm, stride_sm,
                       GROUPS: tl.constexpr, QDQ: tl.constexpr):
     """Per row, per 32 values: scale 2^ceil(log2(max(amax, 1e-4) / 448)), values rounded to e4m3 (saturating).
-    QDQ: write the dequantized values (exact in bf16) to q; otherwise e4m3 to q and fp32 scales to s."""
-    row = tl.program_id(0)
-    g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
-    cols = g[:, None] * 32 + tl.arange(0, 32)[None, :]
-    mask = cols < K
-    x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
+    A program takes GROUPS consecutive groups of the flattened [rows, K/32] grid. QDQ: write the dequantized
+    values (exact in bf16) to q; otherwise e4m3 to q and fp32 scales to s."""
+    g = tl.program_id(0) * GROUPS + tl.arange(0, GROUPS)
+    valid = g < n_groups
+    row = g // groups_per_row
+    col0 = (g % groups_per_row) * 32
+    lane = tl.arange(0, 32)[None, :]
+    mask = valid[:, None]
+    x = tl.load(x_ptr + (row * stride_xm + col0)[:, None] + lane, mask=mask, other=0.0).to(tl.float32)
     amax = tl.maximum(abs_max(x, 1), 1e-4)
     scale = pow2_ceil_scale(amax)
     q = round_e4m3(tl.minimum(tl.maximum(x / scale[:, None], -448.0), 448.0))
+    q_ptrs = q_ptr + (row * stride_qm + col0)[:, None] + lane
     if QDQ:
-        tl.store(q_ptr + row * stride_qm + cols, (q * scale[:, None]).to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(q_ptrs, (q * scale[:, None]).to(q_ptr.dtype.element_ty), mask=mask)
     else:
-        tl.store(q_ptr + row * stride_qm + cols, q.to(tl.float8e4nv), mask=mask)
-        tl.store(s_ptr + row * stride_sm + g, scale, mask=g * 32 < K)
+        tl.store(q_ptrs, q.to(tl.float8e4nv), mask=mask)
+        tl.store(s_ptr + row * stride_sm + col0 // 32, scale, mask=valid)
 
 
 def _check_act(x: torch.Tensor) -> torch.Tensor:
     if x.shape[-1] % GROUP:
         raise ValueError(f"FP8 activation quantization needs the last dim divisible by {GROUP}, got {x.shape[-1]}")
-    return x.reshape(-1, x.shape[-1]).contiguous()
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+GROUPS_PER_PROGRAM = 64
 
 
 def fp8_act_qdq(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -42,10 +50,10 @@ def fp8_act_qdq(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tens
     e4m3 times powers of two >= 2^-22, so bf16 holds them exactly whatever x's dtype."""
     rows = _check_act(x)
     out = torch.empty(rows.shape, dtype=dtype or x.dtype, device=x.device)
-    groups = 16
-    grid = (rows.shape[0], triton.cdiv(rows.shape[1] // GROUP, groups))
-    _act_quant_kernel[grid](rows, out, out, rows.shape[0], rows.shape[1], rows.stride(0), out.stride(0), 0,
-                            GROUPS=groups, QDQ=True)
+    n_groups = rows.numel() // GROUP
+    grid = (triton.cdiv(n_groups, GROUPS_PER_PROGRAM),)
+    _act_quant_kernel[grid](rows, out, out, n_groups, rows.shape[1] // GROUP, rows.stride(0), out.stride(0), 0,
+                            GROUPS=GROUPS_PER_PROGRAM, QDQ=True)
     return out.view(*x.shape[:-1], x.shape[-1])
 
 
@@ -55,9 +63,10 @@ def fp8_act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     m, k = rows.shape
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(m, k // GROUP, dtype=torch.float32, device=x.device)
-    groups = 16
-    _act_quant_kernel[(m, triton.cdiv(k // GROUP, groups))](rows, q, s, m, k, rows.stride(0), q.stride(0),
-                                                           s.stride(0), GROUPS=groups, QDQ=False)
+    n_groups = m * k // GROUP
+    _act_quant_kernel[(triton.cdiv(n_groups, GROUPS_PER_PROGRAM),)](
+        rows, q, s, n_groups, k // GROUP, rows.stride(0), q.stride(0), s.stride(0), GROUPS=GROUPS_PER_PROGRAM,
+        QDQ=False)
     return q, s
 
 
