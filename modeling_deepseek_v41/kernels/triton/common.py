@@ -39,10 +39,10 @@ def cast(x, DTYPE: tl.constexpr):
     """fp32 -> DTYPE rounding to nearest even; bf16 done in integer arithmetic (Triton's interpreter truncates)."""
     if DTYPE == tl.bfloat16:
         bits = x.to(tl.float32).to(tl.int32, bitcast=True)
-        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
-        return rounded.to(tl.bfloat16)
+        out = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True).to(tl.bfloat16)
     else:
-        return x.to(DTYPE)
+        out = x.to(DTYPE)
+    return out
 
 
 @triton.jit
@@ -89,61 +89,49 @@ def e8m0_value(s_ptrs, mask):
 
 
 @triton.jit
-def k_slice(k0, SUB: tl.constexpr, WFMT: tl.constexpr):
+def k_slice(k0, WFMT: tl.constexpr):
     """Column indices of one 32-wide K slice starting at k0. For packed FP4 weights the slice is read in the order
     (even elements, odd elements) so that each half is one contiguous run of bytes; activations are read in the
     same order, so the dot is unchanged (a sum has no order beyond fp32 rounding)."""
-    r = tl.arange(0, SUB)
+    r = tl.arange(0, 32)
     if WFMT == 2:
-        return k0 + (r % 16) * 2 + r // 16
+        cols = k0 + (r % 16) * 2 + r // 16
     else:
-        return k0 + r
+        cols = k0 + r
+    return cols
 
 
 @triton.jit
-def weight_slice(w_ptr, s_ptr, offs_n, k0, N, K, stride_wn, stride_sn,
-                 SUB: tl.constexpr, WFMT: tl.constexpr, FP8_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """One [BN, 32] slice of the weight at columns k0..k0+31 and its per-row scale [BN] (1.0 for dense weights).
-
-    FP8_DOT: the e4m3 values and the scale apart (the scale is applied to the fp32 dot); otherwise the exactly
-    dequantized weight in DOT_DTYPE (e4m3/e2m1 times a power of two is exact in bf16) and a scale of 1."""
-    r = tl.arange(0, SUB)
-    n_mask = offs_n < N
-    mask = n_mask[:, None] & ((k0 + r)[None, :] < K)
-    if WFMT == 0:
-        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + (k0 + r)[None, :], mask=mask, other=0.0)
-        return w.to(DOT_DTYPE), tl.full([offs_n.shape[0]], 1.0, tl.float32)
+def weight_scale(s_ptr, offs_n, k0, N, stride_sn, WFMT: tl.constexpr):
+    """The E8M0 scale [BN] of each weight row for the 32-wide slice at k0 (per 32x32 tile or per row)."""
     if WFMT == 1:
-        scale = e8m0_value(s_ptr + (offs_n // 32) * stride_sn + k0 // 32, n_mask)
+        rows = offs_n // 32
     else:
-        scale = e8m0_value(s_ptr + offs_n * stride_sn + k0 // 32, n_mask)
+        rows = offs_n
+    return e8m0_value(s_ptr + rows * stride_sn + k0 // 32, offs_n < N)
+
+
+@triton.jit
+def weight_slice(w_ptr, offs_n, k0, N, K, stride_wn, WFMT: tl.constexpr):
+    """One [BN, 32] slice of the stored weight at columns k0.. (in k_slice's order), unscaled: the dense values,
+    the e4m3 values, or the e2m1 values (fp32) of the packed nibbles."""
+    r = tl.arange(0, 32)
+    mask = (offs_n < N)[:, None] & ((k0 + r)[None, :] < K)
     if WFMT == 2:
         # bytes k0/2 + (r % 16): the first 16 columns take the low nibbles (even k), the last 16 the high (odd k)
         byte = tl.load(w_ptr + offs_n[:, None] * stride_wn + (k0 // 2 + r % 16)[None, :], mask=mask, other=0)
-        code = (byte.to(tl.int32) >> ((r // 16) * 4)[None, :]) & 15
-        values = e2m1_value(code)
-        if FP8_DOT:
-            return values.to(tl.float8e4nv), scale
-        return (values * scale[:, None]).to(DOT_DTYPE), tl.full([offs_n.shape[0]], 1.0, tl.float32)
-    w = tl.load(w_ptr + offs_n[:, None] * stride_wn + (k0 + r)[None, :], mask=mask, other=0.0)
-    if FP8_DOT:
-        return w, scale
-    return (w.to(tl.float32) * scale[:, None]).to(DOT_DTYPE), tl.full([offs_n.shape[0]], 1.0, tl.float32)
+        w = e2m1_value((byte.to(tl.int32) >> ((r // 16) * 4)[None, :]) & 15)
+    else:
+        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + (k0 + r)[None, :], mask=mask, other=0.0)
+    return w
 
 
 @triton.jit
-def act_slice_t(x_ptr, xs_ptr, rows, row_mask, k0, K, stride_xm, stride_xsm, SUB: tl.constexpr,
-                WFMT: tl.constexpr, FP8_DOT: tl.constexpr, X_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """The activations' [32, BM] slice (transposed: K by rows) at columns k0.., in the weight slice's column order,
-    and its per-row scale [BM]: FP8 values and their group's scales (FP8_DOT), or the (already exactly QDQ'd, or
-    dense) activations in DOT_DTYPE with scale 1."""
-    cols = k_slice(k0, SUB, WFMT)
+def act_slice_t(x_ptr, rows, row_mask, k0, K, stride_xm, WFMT: tl.constexpr):
+    """The activations' [32, BM] slice (transposed: K by rows) at columns k0.., in the weight slice's order."""
+    cols = k_slice(k0, WFMT)
     mask = (cols[:, None] < K) & row_mask[None, :]
-    x = tl.load(x_ptr + rows[None, :] * stride_xm + cols[:, None], mask=mask, other=0.0)
-    if FP8_DOT:
-        scale = tl.load(xs_ptr + rows * stride_xsm + k0 // 32, mask=row_mask, other=1.0)
-        return x, scale
-    return cast(x, X_DTYPE).to(DOT_DTYPE), tl.full([rows.shape[0]], 1.0, tl.float32)
+    return tl.load(x_ptr + rows[None, :] * stride_xm + cols[:, None], mask=mask, other=0.0)
 
 
 @triton.jit
@@ -152,19 +140,28 @@ def dot_k_range(acc, w_ptr, s_ptr, x_ptr, xs_ptr, offs_n, rows, row_mask, k_star
                 BK: tl.constexpr, WFMT: tl.constexpr, FP8_DOT: tl.constexpr, X_DTYPE: tl.constexpr,
                 DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr):
     """acc[BN, BM] += W[offs_n, k_start:k_stop] @ X[rows, k_start:k_stop]^T in 32-wide slices, fixed order.
-    X is rounded to X_DTYPE (the weight's dtype for dense weights, as F.linear(x.to(w.dtype), w) does)."""
-    SUB: tl.constexpr = 32
+
+    FP8_DOT: e4m3 weight values times e4m3 activations (x_ptr, with fp32 scales per row and 32 at xs_ptr) on the
+    FP8 tensor cores, both power-of-two scales applied to each slice's fp32 result. Otherwise the weight is
+    dequantized exactly to DOT_DTYPE (e4m3/e2m1 times a power of two is exact in bf16) and multiplied with the
+    activations rounded to X_DTYPE (already exactly QDQ'd for quantized weights; the weight's dtype for dense
+    ones, as F.linear(x.to(w.dtype), w) does), accumulating in fp32."""
     for k in range(k_start, k_stop, BK):
-        for j in tl.static_range(BK // SUB):
-            k0 = k + j * SUB
-            w, ws = weight_slice(w_ptr, s_ptr, offs_n, k0, N, K, stride_wn, stride_sn, SUB, WFMT, FP8_DOT,
-                                 DOT_DTYPE)
-            x, xs = act_slice_t(x_ptr, xs_ptr, rows, row_mask, k0, K, stride_xm, stride_xsm, SUB, WFMT, FP8_DOT,
-                                X_DTYPE, DOT_DTYPE)
+        for j in tl.static_range(BK // 32):
+            k0 = k + j * 32
+            w = weight_slice(w_ptr, offs_n, k0, N, K, stride_wn, WFMT)
+            x = act_slice_t(x_ptr, rows, row_mask, k0, K, stride_xm, WFMT)
             if FP8_DOT:
-                acc += tl.dot(w, x) * ws[:, None] * xs[None, :]
-            elif IEEE:
-                acc = tl.dot(w, x, acc, input_precision="ieee")
+                ws = weight_scale(s_ptr, offs_n, k0, N, stride_sn, WFMT)
+                xs = tl.load(xs_ptr + rows * stride_xsm + k0 // 32, mask=row_mask, other=1.0)
+                acc += tl.dot(w.to(tl.float8e4nv), x) * ws[:, None] * xs[None, :]
             else:
-                acc = tl.dot(w, x, acc)
+                if WFMT != 0:
+                    w = w.to(tl.float32) * weight_scale(s_ptr, offs_n, k0, N, stride_sn, WFMT)[:, None]
+                w = w.to(DOT_DTYPE)
+                x = cast(x, X_DTYPE).to(DOT_DTYPE)
+                if IEEE:
+                    acc = tl.dot(w, x, acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(w, x, acc)
     return acc

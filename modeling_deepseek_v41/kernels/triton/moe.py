@@ -43,17 +43,30 @@ def _moe_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, route_ptr, pair
     """h[sorted row, n] for one block of rows of one expert: both projections from one read of the activations."""
     b = tl.program_id(0)
     start, end, sorted_rows, mask, pair = _block_rows(block_start_ptr, block_end_ptr, pair_ptr, b, BM)
-    if start >= end:
-        return
+    if start < end:  # blocks past the real count do nothing
+        _moe_up_block(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, route_ptr, block_expert_ptr, b, sorted_rows,
+                      mask, pair, N, K, top_k, limit, stride_xm, stride_we, stride_wn, stride_se, stride_sn,
+                      stride_hm, BN, BM, BK, WFMT, X_DTYPE, DOT_DTYPE, ROUND_DTYPE, H_DTYPE, HAS_LIMIT, QDQ_OUT,
+                      IEEE)
+
+
+@triton.jit
+def _moe_up_block(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, route_ptr, block_expert_ptr, b, sorted_rows, mask,
+                  pair, N, K, top_k, limit, stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_hm,
+                  BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, WFMT: tl.constexpr,
+                  X_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, ROUND_DTYPE: tl.constexpr, H_DTYPE: tl.constexpr,
+                  HAS_LIMIT: tl.constexpr, QDQ_OUT: tl.constexpr, IEEE: tl.constexpr):
     expert = tl.load(block_expert_ptr + b).to(tl.int64)
     tokens = pair // top_k
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     gate = tl.full([BN, BM], 0.0, tl.float32)
     up = tl.full([BN, BM], 0.0, tl.float32)
-    gate = dot_k_range(gate, w1_ptr + expert * stride_we, s1_ptr + expert * stride_se, x_ptr, x_ptr, offs_n, tokens,
-                       mask, 0, K, N, K, stride_wn, stride_sn, stride_xm, 0, BK, WFMT, False, X_DTYPE, DOT_DTYPE, IEEE)
+    gate = dot_k_range(gate, w1_ptr + expert * stride_we, s1_ptr + expert * stride_se, x_ptr, x_ptr, offs_n,
+                       tokens, mask, 0, K, N, K, stride_wn, stride_sn, stride_xm, 0, BK, WFMT, False, X_DTYPE,
+                       DOT_DTYPE, IEEE)
     up = dot_k_range(up, w3_ptr + expert * stride_we, s3_ptr + expert * stride_se, x_ptr, x_ptr, offs_n, tokens,
-                     mask, 0, K, N, K, stride_wn, stride_sn, stride_xm, 0, BK, WFMT, False, X_DTYPE, DOT_DTYPE, IEEE)
+                     mask, 0, K, N, K, stride_wn, stride_sn, stride_xm, 0, BK, WFMT, False, X_DTYPE, DOT_DTYPE,
+                     IEEE)
     gate = cast(gate, ROUND_DTYPE).to(tl.float32)
     up = cast(up, ROUND_DTYPE).to(tl.float32)
     if HAS_LIMIT:
@@ -81,8 +94,17 @@ def _moe_down_kernel(h_ptr, w2_ptr, s2_ptr, c_ptr, pair_ptr, block_expert_ptr, b
     """contribution[pair, n] = h[sorted row] @ w2[expert]^T, rounded to the activation dtype."""
     b = tl.program_id(0)
     start, end, sorted_rows, mask, pair = _block_rows(block_start_ptr, block_end_ptr, pair_ptr, b, BM)
-    if start >= end:
-        return
+    if start < end:  # blocks past the real count do nothing
+        _moe_down_block(h_ptr, w2_ptr, s2_ptr, c_ptr, block_expert_ptr, b, sorted_rows, mask, pair, N, K,
+                        stride_hm, stride_we, stride_wn, stride_se, stride_sn, stride_cm, BN, BM, BK, WFMT,
+                        X_DTYPE, DOT_DTYPE, ROUND_DTYPE, IEEE)
+
+
+@triton.jit
+def _moe_down_block(h_ptr, w2_ptr, s2_ptr, c_ptr, block_expert_ptr, b, sorted_rows, mask, pair, N, K,
+                    stride_hm, stride_we, stride_wn, stride_se, stride_sn, stride_cm,
+                    BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, WFMT: tl.constexpr,
+                    X_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, ROUND_DTYPE: tl.constexpr, IEEE: tl.constexpr):
     expert = tl.load(block_expert_ptr + b).to(tl.int64)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     acc = tl.full([BN, BM], 0.0, tl.float32)
