@@ -78,7 +78,7 @@ def random_fp4(shape_nk, count, experts=None):
 def row(name, m, ms, nbytes, flops, extra=""):
     roof = nbytes / HBM * 1e3
     peak = flops / FP8_PEAK * 1e3
-    log(f"{name:<26} {m:>5} {ms * 1e3:>9.1f} {nbytes / ms / 1e9:>8.0f} {roof * 1e3:>8.1f} "
+    log(f"{name:<26} {m:>5} {ms * 1e3:>9.1f} {nbytes / ms / 1e6:>8.0f} {roof * 1e3:>8.1f} "
         f"{max(roof, peak) / ms * 100:>6.0f}% {flops / ms / 1e9:>8.1f}  {extra}")
 
 
@@ -101,9 +101,12 @@ def bench_linears():
             ms_bf16 = graph_ms([lambda w=w: F.linear(x, w) for w in wb])
             ms_dense = graph_ms([lambda w=w: dense_linear(x, w) for w in wb])
             extra = f"bf16 {ms_bf16 * 1e3:.1f} us, our bf16 dense_linear {ms_dense * 1e3:.1f} us"
-            if m == 4096:
+            if m in (1, 4096):
                 ms_b = graph_ms([lambda w=w, s=s: fp8_linear(x, w, s, fp8_dot=False) for w, s in zip(ws, ss)])
-                extra += f", exact bf16-dot variant {ms_b * 1e3:.1f} us"
+                extra += f", Triton exact bf16-dot {ms_b * 1e3:.1f} us"
+            if m == 4096:
+                ms_f = graph_ms([lambda w=w, s=s: fp8_linear(x, w, s, fp8_dot=True) for w, s in zip(ws, ss)])
+                extra += f", Triton fp8-dot {ms_f * 1e3:.1f} us"
             if m in (1, 256):
                 layer = DeepseekV41Linear(k, n, storage="fp8").cuda()
                 layer.weight.data, layer.scale.data = ws[0], ss[0]
@@ -145,11 +148,14 @@ def bench_moe():
         weights = torch.rand(t, k, device="cuda")
         touched = sum(r.unique().numel() for r in routes) / len(routes)
         results = {}
-        for mode, stacks, per_expert in (("fp4", fp4, 3 * inter * d * (0.5 + 1 / 32)),
-                                         ("fp8re", fp8, 3 * inter * d * (1 + 1 / 32)),
-                                         ("bf16", dense, 3 * inter * d * 2)):
-            calls = [lambda r=r, st=stacks: grouped_moe(tokens, r, weights, *st, limit=10.0,
-                                                         fp8_experts=mode == "fp8re") for r in routes]
+        modes = [("fp4", fp4, 3 * inter * d * (0.5 + 1 / 32)), ("fp8re", fp8, 3 * inter * d * (1 + 1 / 32)),
+                 ("bf16", dense, 3 * inter * d * 2)]
+        if t in (1, 64):
+            modes.append(("fp4 exact-bf16-dot", fp4, 3 * inter * d * (0.5 + 1 / 32)))
+        for mode, stacks, per_expert in modes:
+            calls = [lambda r=r, st=stacks, mode=mode: grouped_moe(
+                tokens, r, weights, *st, limit=10.0, fp8_experts=mode == "fp8re", fp8_dot="exact" not in mode)
+                for r in routes]
             results[mode] = (graph_ms(calls), touched * per_expert)
         extra = ", ".join(f"{m} {ms * 1e3:.1f} us ({b / HBM * 1e6:.1f} roof)" for m, (ms, b) in results.items()
                           if m != "fp4")

@@ -51,14 +51,19 @@ def _emulated_linear(x, weight, scale, storage):
     return layer(x)
 
 
+FP32_BOUND = 1e-5 if CUDA else 2e-6  # normwise; FP8 tensor-core dots sum each 32-product slice in hardware
+
+
 def _assert_close_to_emulation(out, ref, dtype):
-    """fp32 outputs: fp32 summation-order level; bf16 outputs: within one bf16 rounding of the reference."""
+    """fp32 outputs: normwise at fp32 summation-order level; bf16 outputs: each element within one bf16 rounding
+    of the reference, plus that level for results that cancel to near zero."""
     assert out.dtype == ref.dtype and out.shape == ref.shape
     if dtype == torch.float32:
-        assert _rel(out, ref) < 2e-6
+        assert _rel(out, ref) < FP32_BOUND
     else:
-        diff = (out.double() - ref.double()).abs()
-        assert (diff <= BF16_ULP * ref.double().abs() + 1e-30).all()
+        ref64 = ref.double()
+        diff = (out.double() - ref64).abs()
+        assert (diff <= BF16_ULP * ref64.abs() + FP32_BOUND * ref64.pow(2).mean().sqrt()).all()
 
 
 # --- activation quantization -------------------------------------------------------------------------------
@@ -133,8 +138,9 @@ def test_prefill_sized_call_matches_emulation():
     w, s = _fp8_weight(n, k, seed=8)
     x = _randn(m, k, seed=9, dtype=torch.float32)
     ref = _emulated_linear(x, w, s, "fp8")
-    assert _rel(fp8_linear(x, w, s), ref) < 2e-6  # FP8 dots with scales per 32-wide slice
-    assert _rel(fp8_linear(x, w, s, fp8_dot=False), ref) < 2e-6
+    assert _rel(fp8_linear(x, w, s), ref) < FP32_BOUND  # dequantized bf16 scratch weight through F.linear
+    assert _rel(fp8_linear(x, w, s, fp8_dot=True), ref) < FP32_BOUND  # Triton, FP8 dots, prefill tiles
+    assert _rel(fp8_linear(x, w, s, fp8_dot=False), ref) < FP32_BOUND
 
 
 def test_split_count_depends_on_the_weight_only():
@@ -280,13 +286,13 @@ def _random_fp4(n, k, seed, experts=None):
 @pytest.mark.parametrize("n,k", RELEASED_FP8)
 @pytest.mark.parametrize("m", [1, 16, 64, 256, 300])
 def test_cuda_fp8_linear_released_shapes(n, k, m):
-    """Measured on the H200 (kernels_results.md): decode (exact bf16 dots) within 1 bf16 ulp and fp32 outputs
-    at 1e-6 relative; prefill FP8 dots at the bound asserted below."""
+    """Decode-sized: FP8 tensor-core dots; prefill-sized: exact bf16 scratch weight through cuBLAS. Measured
+    errors in benchmarks/kernels_results.md."""
     w, s = _random_fp8(n, k, seed=n + k)
     x = _randn(m, k, seed=m, dtype=torch.float32)
     ref = _emulated_linear(x, w, s, "fp8")
     rel = _rel(fp8_linear(x, w, s), ref)
-    assert rel < (1e-6 if m <= DECODE_MAX_ROWS else 1e-4), rel
+    assert rel < FP32_BOUND, rel
     xb = x.to(torch.bfloat16)
     _assert_close_to_emulation(fp8_linear(xb, w, s, fp8_dot=False), _emulated_linear(xb, w, s, "fp8"),
                                torch.bfloat16)
@@ -299,9 +305,8 @@ def test_cuda_fp4_linear_released_shapes(n, k, m):
     w, s = _random_fp4(n, k, seed=n)
     x = _randn(m, k, seed=m, dtype=torch.float32)
     ref = _emulated_linear(x, w, s, "fp4")
-    bound = 1e-6 if m <= DECODE_MAX_ROWS else 1e-4
-    assert _rel(fp4_linear(x, w, s), ref) < bound
-    assert _rel(fp8_row_linear(x, fp4_to_fp8_weight(w), s), ref) < bound
+    assert _rel(fp4_linear(x, w, s), ref) < FP32_BOUND
+    assert _rel(fp8_row_linear(x, fp4_to_fp8_weight(w), s), ref) < FP32_BOUND
 
 
 @cuda_only

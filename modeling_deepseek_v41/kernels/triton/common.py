@@ -103,24 +103,31 @@ def k_slice(k0, WFMT: tl.constexpr):
 
 @triton.jit
 def weight_scale(s_ptr, offs_n, k0, N, stride_sn, WFMT: tl.constexpr):
-    """The E8M0 scale [BN] of each weight row for the 32-wide slice at k0 (per 32x32 tile or per row)."""
+    """The scale [BN] of each weight row for the 32-wide slice at k0: E8M0 per 32x32 tile or per (row, 32); for
+    packed FP4 times 2^6, undoing the 2^-6 of weight_slice's e4m3 encoding of the nibbles."""
     if WFMT == 1:
         rows = offs_n // 32
     else:
         rows = offs_n
-    return e8m0_value(s_ptr + rows * stride_sn + k0 // 32, offs_n < N)
+    scale = e8m0_value(s_ptr + rows * stride_sn + k0 // 32, offs_n < N)
+    if WFMT == 2:
+        scale = scale * 64.0
+    return scale
 
 
 @triton.jit
 def weight_slice(w_ptr, offs_n, k0, N, K, stride_wn, WFMT: tl.constexpr):
     """One [BN, 32] slice of the stored weight at columns k0.. (in k_slice's order), unscaled: the dense values,
-    the e4m3 values, or the e2m1 values (fp32) of the packed nibbles."""
+    or e4m3 values. Packed FP4 nibbles s|e1 e0|m become the e4m3 byte s|0 0 e1 e0|m 0 0, whose value is the e2m1
+    value times 2^-6 for every code (normal and subnormal alike): exact, and four integer operations."""
     r = tl.arange(0, 32)
     mask = (offs_n < N)[:, None] & ((k0 + r)[None, :] < K)
     if WFMT == 2:
         # bytes k0/2 + (r % 16): the first 16 columns take the low nibbles (even k), the last 16 the high (odd k)
         byte = tl.load(w_ptr + offs_n[:, None] * stride_wn + (k0 // 2 + r % 16)[None, :], mask=mask, other=0)
-        w = e2m1_value((byte.to(tl.int32) >> ((r // 16) * 4)[None, :]) & 15)
+        nibble = (byte.to(tl.int32) >> ((r // 16) * 4)[None, :]) & 15
+        bits = ((nibble & 8) << 4) | ((nibble & 7) << 2)
+        w = bits.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
     else:
         w = tl.load(w_ptr + offs_n[:, None] * stride_wn + (k0 + r)[None, :], mask=mask, other=0.0)
     return w
@@ -154,7 +161,7 @@ def dot_k_range(acc, w_ptr, s_ptr, x_ptr, xs_ptr, offs_n, rows, row_mask, k_star
             if FP8_DOT:
                 ws = weight_scale(s_ptr, offs_n, k0, N, stride_sn, WFMT)
                 xs = tl.load(xs_ptr + rows * stride_xsm + k0 // 32, mask=row_mask, other=1.0)
-                acc += tl.dot(w.to(tl.float8e4nv), x) * ws[:, None] * xs[None, :]
+                acc += tl.dot(w, x) * (ws[:, None] * xs[None, :])
             else:
                 if WFMT != 0:
                     w = w.to(tl.float32) * weight_scale(s_ptr, offs_n, k0, N, stride_sn, WFMT)[:, None]

@@ -1,13 +1,15 @@
 """Linears on the GPU: block-scaled FP8, packed FP4 (or its FP8 re-encode) and dense bf16/fp32 weights.
 
 Two regimes, chosen by the row count M only:
-- decode (M <= DECODE_MAX_ROWS): one fixed tiling (weight rows x 16 token columns, swapped so the weight fills the
-  tensor core's wide side) and a split-K count that depends on (N, K) alone, so a row's result never depends on M
-  or on the other rows (batch invariant). The FP8/FP4 weight is dequantized exactly to bf16 in registers and
-  multiplied with the exactly QDQ'd activation (also exact in bf16) with fp32 accumulation: the emulation's
-  numbers up to fp32 summation order. With M <= 16 every weight byte is read once per call.
-- prefill (M > DECODE_MAX_ROWS): large tiles, and for quantized weights FP8 tensor-core dots on the e4m3 values
-  with the two power-of-two scales applied to each 32-wide K slice's fp32 result.
+- decode (M <= DECODE_MAX_ROWS): one fixed tiling (64 weight rows x 32 token columns, swapped so the weight fills
+  the tensor core's wide side) and a split-K count that depends on (N, K) alone, so a row's result never depends on
+  M or on the other rows (batch invariant). Quantized weights: FP8 tensor-core dots of the e4m3 weight (FP4 nibbles
+  re-encoded to e4m3 in registers) with the e4m3 activations, both power-of-two scales applied to each 32-wide K
+  slice's fp32 result. With M <= 32 every weight byte is read once per call.
+- prefill (M > DECODE_MAX_ROWS): the weight is dequantized exactly to a bf16 scratch copy and multiplied by cuBLAS
+  with the exactly QDQ'd activations (bf16 products are exact, accumulation fp32): compute-bound, so the copy
+  costs little next to the GEMM.
+fp8_dot=False selects exact bf16 dots on exactly dequantized tiles in the Triton kernel instead (any M).
 """
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import FMT_DENSE, FMT_FP4_ROW, FMT_FP8_ROW, FMT_FP8_TILE, cast, dot_k_range
+from .common import (FMT_DENSE, FMT_FP4_ROW, FMT_FP8_ROW, FMT_FP8_TILE, cast, dot_k_range, k_slice, weight_scale,
+                     weight_slice)
 from .quant import fp8_act_qdq, fp8_act_quant
 
 DECODE_MAX_ROWS = 256
-DECODE_TILE = {"BN": 64, "BM": 16, "BK": 128, "num_warps": 4, "num_stages": 3}
+DECODE_TILE = {"BN": 64, "BM": 32, "BK": 128, "num_warps": 4, "num_stages": 3}
 PREFILL_TILE = {"BN": 128, "BM": 128, "BK": 64, "num_warps": 8, "num_stages": 3}
 SPLIT_TARGET_PROGRAMS = 264  # about two waves on a 132-SM H200; a constant, so the split depends on (N, K) only
 
@@ -45,6 +48,19 @@ def _linear_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_chunk,
     mask = (offs_n[:, None] < N) & row_mask[None, :]
     ptrs = out_ptr + pid_s * stride_os + rows[None, :] * stride_om + offs_n[:, None]
     tl.store(ptrs, cast(acc, out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _dequantize_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_on,
+                       BN: tl.constexpr, WFMT: tl.constexpr):
+    """out[n, k] = weight value x scale in bf16 (exact), one [BN, 32] slice per program."""
+    offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+    k0 = tl.program_id(1) * 32
+    w = weight_slice(w_ptr, offs_n, k0, N, K, stride_wn, WFMT).to(tl.float32)
+    w = w * weight_scale(s_ptr, offs_n, k0, N, stride_sn, WFMT)[:, None]
+    cols = k_slice(k0, WFMT)
+    tl.store(out_ptr + offs_n[:, None] * stride_on + cols[None, :], w.to(tl.bfloat16),
+             mask=(offs_n < N)[:, None] & (cols < K)[None, :])
 
 
 @triton.jit
@@ -103,14 +119,30 @@ def _run(x2d: torch.Tensor, xs: torch.Tensor | None, weight: torch.Tensor, scale
     return out
 
 
+def dequantize_weight(weight: torch.Tensor, scale: torch.Tensor, fmt: int, n: int, k: int) -> torch.Tensor:
+    """The exact bf16 [N, K] of a stored FP8 / FP4 / re-encoded weight (the prefill path's scratch copy)."""
+    out = torch.empty(n, k, dtype=torch.bfloat16, device=weight.device)
+    bn = 64
+    _dequantize_kernel[(triton.cdiv(n, bn), triton.cdiv(k, 32))](
+        weight, scale.view(torch.uint8), out, n, k, weight.stride(0), scale.stride(0), out.stride(0), BN=bn,
+        WFMT=fmt)
+    return out
+
+
 def _quantized(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt: int, n: int, k: int,
                fp8_dot: bool | None) -> torch.Tensor:
     if x.shape[-1] != k:
         raise ValueError(f"input has {x.shape[-1]} features, the weight expects {k}")
     rows = x.reshape(-1, k)
-    if fp8_dot is None:
-        fp8_dot = rows.shape[0] > DECODE_MAX_ROWS
-    if fp8_dot:
+    if fp8_dot is None and rows.shape[0] > DECODE_MAX_ROWS:
+        dense = dequantize_weight(weight, scale, fmt, n, k)
+        qdq = fp8_act_qdq(rows, torch.bfloat16)
+        if x.dtype == torch.bfloat16:
+            out = torch.nn.functional.linear(qdq, dense)
+        else:
+            out = torch.nn.functional.linear(qdq.float(), dense.float()).to(x.dtype)
+        return out.view(*x.shape[:-1], n)
+    if fp8_dot is None or fp8_dot:
         q, xs = fp8_act_quant(rows)
         out = _run(q, xs, weight, scale, fmt, n, k, x.dtype, True, torch.bfloat16)
     else:
@@ -124,7 +156,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fp8_d
     """DeepseekV41Linear.forward for FP8 storage: x [..., K] (bf16/fp32) -> [..., N] in x's dtype.
 
     weight: e4m3 [N, K] contiguous; scale: E8M0 (float8_e8m0fnu or its uint8 bytes) [ceil(N/32), ceil(K/32)].
-    fp8_dot: None picks FP8 tensor-core dots for prefill-sized calls and exact bf16 dots for decode-sized ones."""
+    fp8_dot: None picks the regime's default (see the module doc); True/False force the Triton kernel with FP8 or
+    exact bf16 dots."""
     n, k = weight.shape
     return _quantized(x, weight, scale, FMT_FP8_TILE, n, k, fp8_dot)
 
@@ -132,7 +165,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fp8_d
 def fp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, fp8_dot: bool | None = None
                ) -> torch.Tensor:
     """DeepseekV41Linear.forward for FP4 storage: packed e2m1 [N, K/2] (int8, even element in the low nibble),
-    E8M0 scale [N, K/32]; the nibbles are unpacked in registers (W4A8 with fp8_dot, else exact W4A16)."""
+    E8M0 scale [N, K/32]; the nibbles become e4m3 in registers (W4A8 on FP8 tensor cores; fp8_dot=False: W4A16)."""
     n, k = packed.shape[0], packed.shape[1] * 2
     return _quantized(x, packed, scale, FMT_FP4_ROW, n, k, fp8_dot)
 
@@ -157,5 +190,8 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     rows = x.reshape(-1, k)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    out = _run(rows, None, weight, None, FMT_DENSE, n, k, weight.dtype, False, weight.dtype)
+    if rows.shape[0] > DECODE_MAX_ROWS:  # prefill-sized: cuBLAS
+        out = torch.nn.functional.linear(rows.to(weight.dtype), weight)
+    else:
+        out = _run(rows, None, weight, None, FMT_DENSE, n, k, weight.dtype, False, weight.dtype)
     return out.view(*x.shape[:-1], n)
