@@ -101,10 +101,12 @@ def bench_linears():
             ms_bf16 = graph_ms([lambda w=w: F.linear(x, w) for w in wb])
             ms_dense = graph_ms([lambda w=w: dense_linear(x, w) for w in wb])
             extra = f"bf16 {ms_bf16 * 1e3:.1f} us, our bf16 dense_linear {ms_dense * 1e3:.1f} us"
-            if m in (1, 4096):
+            if m <= 256:
+                ms_f = graph_ms([lambda w=w, s=s: fp8_linear(x, w, s, fp8_dot=True) for w, s in zip(ws, ss)])
+                extra += f", fp8-dot {ms_f * 1e3:.1f} us"
+            if m == 4096:
                 ms_b = graph_ms([lambda w=w, s=s: fp8_linear(x, w, s, fp8_dot=False) for w, s in zip(ws, ss)])
                 extra += f", Triton exact bf16-dot {ms_b * 1e3:.1f} us"
-            if m == 4096:
                 ms_f = graph_ms([lambda w=w, s=s: fp8_linear(x, w, s, fp8_dot=True) for w, s in zip(ws, ss)])
                 extra += f", Triton fp8-dot {ms_f * 1e3:.1f} us"
             if m in (1, 256):
@@ -126,8 +128,10 @@ def bench_fp4_linears():
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ms = graph_ms([lambda w=w, s=s: fp4_linear(x, w, s) for w, s in zip(ws, ss)])
             ms8 = graph_ms([lambda w=w, s=s: fp8_row_linear(x, w, s) for w, s in zip(w8, ss)])
+            ms4f = graph_ms([lambda w=w, s=s: fp4_linear(x, w, s, fp8_dot=True) for w, s in zip(ws, ss)])
             nbytes = n * k / 2 + n * k / 32 + 2 * m * (n + k)
-            row(f"fp4_linear {name} {n}x{k}", m, ms, nbytes, 2 * m * n * k, f"fp8re {ms8 * 1e3:.1f} us")
+            row(f"fp4_linear {name} {n}x{k}", m, ms, nbytes, 2 * m * n * k,
+                f"fp8re {ms8 * 1e3:.1f} us, W4A8 fp8-dot {ms4f * 1e3:.1f} us")
         del ws, ss, w8
 
 
@@ -151,10 +155,10 @@ def bench_moe():
         modes = [("fp4", fp4, 3 * inter * d * (0.5 + 1 / 32)), ("fp8re", fp8, 3 * inter * d * (1 + 1 / 32)),
                  ("bf16", dense, 3 * inter * d * 2)]
         if t in (1, 64):
-            modes.append(("fp4 exact-bf16-dot", fp4, 3 * inter * d * (0.5 + 1 / 32)))
+            modes.append(("fp4 fp8-dot", fp4, 3 * inter * d * (0.5 + 1 / 32)))
         for mode, stacks, per_expert in modes:
             calls = [lambda r=r, st=stacks, mode=mode: grouped_moe(
-                tokens, r, weights, *st, limit=10.0, fp8_experts=mode == "fp8re", fp8_dot="exact" not in mode)
+                tokens, r, weights, *st, limit=10.0, fp8_experts=mode == "fp8re", fp8_dot="fp8-dot" in mode)
                 for r in routes]
             results[mode] = (graph_ms(calls), touched * per_expert)
         extra = ", ".join(f"{m} {ms * 1e3:.1f} us ({b / HBM * 1e6:.1f} roof)" for m, (ms, b) in results.items()
@@ -169,12 +173,37 @@ def bench_moe():
         row("grouped_moe fp4", t, ms, nbytes + 2 * t * d * 2, 2 * t * k * 3 * inter * d, extra)
 
 
+def check_moe_fp8_dot():
+    """Relative difference of grouped_moe's FP8-dot mode from its exact mode, by block height and case."""
+    from modeling_deepseek_v41.kernels.triton import moe as moe_kernels
+    header_line = "grouped_moe fp8_dot vs exact (rel. difference), small shapes, by decode block rows BM"
+    log()
+    log(header_line)
+    e, d, inter = 6, 64, 64
+    stacks = []
+    for n, k in ((inter, d), (inter, d), (d, inter)):
+        w, s = random_fp4((n, k), 1, e)
+        stacks += [w[0], s[0]]
+    default = dict(moe_kernels.MOE_DECODE_TILE)
+    for bm in (16, 32):
+        moe_kernels.MOE_DECODE_TILE.update(BM=bm)
+        for t, k in ((1, 1), (4, 1), (9, 3)):
+            tokens = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+            experts = torch.rand(t, e, device="cuda").topk(k, dim=-1).indices
+            weights = torch.rand(t, k, device="cuda")
+            exact = grouped_moe(tokens, experts, weights, *stacks, limit=10.0)
+            fast = grouped_moe(tokens, experts, weights, *stacks, limit=10.0, fp8_dot=True)
+            rel = ((fast - exact).norm() / exact.norm()).item()
+            log(f"  BM {bm:>2} tokens {t} top-{k}: {rel:.2e}")
+    moe_kernels.MOE_DECODE_TILE.update(default)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     log(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {__import__('triton').__version__}")
-    for bench in (bench_linears, bench_fp4_linears, bench_moe):
+    for bench in (check_moe_fp8_dot, bench_linears, bench_fp4_linears, bench_moe):
         try:
             bench()
         except Exception:  # keep the other tables when one fails

@@ -51,19 +51,20 @@ def _emulated_linear(x, weight, scale, storage):
     return layer(x)
 
 
-FP32_BOUND = 1e-5 if CUDA else 2e-6  # normwise; FP8 tensor-core dots sum each 32-product slice in hardware
+FP32_BOUND = 2e-6  # normwise, exact products with fp32 accumulation (only the summation order differs)
+FP8_DOT_BOUND = 1e-4 if CUDA else 2e-6  # Hopper's FP8 dots sum with less than fp32 precision: 4.6e-5 measured
 
 
-def _assert_close_to_emulation(out, ref, dtype):
-    """fp32 outputs: normwise at fp32 summation-order level; bf16 outputs: each element within one bf16 rounding
-    of the reference, plus that level for results that cancel to near zero."""
+def _assert_close_to_emulation(out, ref, dtype, bound=FP32_BOUND):
+    """fp32 outputs: normwise at `bound`; bf16 outputs: each element within one bf16 rounding of the reference,
+    plus `bound` of the output's rms for results that cancel to near zero."""
     assert out.dtype == ref.dtype and out.shape == ref.shape
     if dtype == torch.float32:
-        assert _rel(out, ref) < FP32_BOUND
+        assert _rel(out, ref) < bound
     else:
         ref64 = ref.double()
         diff = (out.double() - ref64).abs()
-        assert (diff <= BF16_ULP * ref64.abs() + FP32_BOUND * ref64.pow(2).mean().sqrt()).all()
+        assert (diff <= BF16_ULP * ref64.abs() + bound * ref64.pow(2).mean().sqrt()).all()
 
 
 # --- activation quantization -------------------------------------------------------------------------------
@@ -110,7 +111,7 @@ def test_fp8_linear_matches_emulation(m, n, k, dtype, fp8_dot):
     w, s = _fp8_weight(n, k, seed=2)
     x = _randn(m, k, seed=3, dtype=dtype)
     out = fp8_linear(x, w, s, fp8_dot=fp8_dot)
-    _assert_close_to_emulation(out, _emulated_linear(x, w, s, "fp8"), dtype)
+    _assert_close_to_emulation(out, _emulated_linear(x, w, s, "fp8"), dtype, FP8_DOT_BOUND if fp8_dot else FP32_BOUND)
 
 
 @pytest.mark.parametrize("m,n,k", SMALL)
@@ -120,8 +121,9 @@ def test_fp4_linear_and_its_fp8_reencode_match_emulation(m, n, k, dtype, fp8_dot
     w, s = _fp4_weight(n, k, seed=4)
     x = _randn(m, k, seed=5, dtype=dtype)
     ref = _emulated_linear(x, w, s, "fp4")
-    _assert_close_to_emulation(fp4_linear(x, w, s, fp8_dot=fp8_dot), ref, dtype)
-    _assert_close_to_emulation(fp8_row_linear(x, fp4_to_fp8_weight(w), s, fp8_dot=fp8_dot), ref, dtype)
+    bound = FP8_DOT_BOUND if fp8_dot else FP32_BOUND
+    _assert_close_to_emulation(fp4_linear(x, w, s, fp8_dot=fp8_dot), ref, dtype, bound)
+    _assert_close_to_emulation(fp8_row_linear(x, fp4_to_fp8_weight(w), s, fp8_dot=fp8_dot), ref, dtype, bound)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -139,7 +141,7 @@ def test_prefill_sized_call_matches_emulation():
     x = _randn(m, k, seed=9, dtype=torch.float32)
     ref = _emulated_linear(x, w, s, "fp8")
     assert _rel(fp8_linear(x, w, s), ref) < FP32_BOUND  # dequantized bf16 scratch weight through F.linear
-    assert _rel(fp8_linear(x, w, s, fp8_dot=True), ref) < FP32_BOUND  # Triton, FP8 dots, prefill tiles
+    assert _rel(fp8_linear(x, w, s, fp8_dot=True), ref) < FP8_DOT_BOUND  # Triton, FP8 dots, prefill tiles
     assert _rel(fp8_linear(x, w, s, fp8_dot=False), ref) < FP32_BOUND
 
 
@@ -216,19 +218,20 @@ def _emulated_moe(tokens, experts, weights, stacks, limit, chunk=8):
     return out
 
 
-@pytest.mark.parametrize("quantized", [True, False])
+@pytest.mark.parametrize("quantized,fp8_dot", [(True, False), (True, True), (False, False)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_grouped_moe_matches_emulation(quantized, dtype):
+def test_grouped_moe_matches_emulation(quantized, fp8_dot, dtype):
     n_experts, d, inter, top_k, t = 6, 64, 64, 3, 9
     stacks = _experts(n_experts, d, inter, quantized, seed=20)
     tokens = _randn(t, d, seed=23, dtype=dtype)
     experts, weights = _routing(t, n_experts, top_k, seed=24)
     experts[0] = torch.tensor([5, 1, 3])  # unsorted ids within a token
     ref = _emulated_moe(tokens, experts, weights, stacks, limit=0.5)
-    out = grouped_moe(tokens, experts, weights, *stacks, limit=0.5)
+    out = grouped_moe(tokens, experts, weights, *stacks, limit=0.5, fp8_dot=fp8_dot)
     assert out.dtype == torch.float32 and out.shape == (t, d)
+    # bf16 activations: a last-bit difference in gate/up/h can move h's FP8 QDQ by one e4m3 step
     assert _rel(out, ref) < (1e-6 if dtype == torch.float32 and not quantized else 2e-3)
-    if quantized and dtype == torch.bfloat16:
+    if quantized and not fp8_dot and dtype == torch.bfloat16:
         w1, s1, w3, s3, w2, s2 = stacks
         reencoded = (fp4_to_fp8_weight(w1), s1, fp4_to_fp8_weight(w3), s3, fp4_to_fp8_weight(w2), s2)
         out8 = grouped_moe(tokens, experts, weights, *reencoded, limit=0.5, fp8_experts=True)
@@ -286,13 +289,13 @@ def _random_fp4(n, k, seed, experts=None):
 @pytest.mark.parametrize("n,k", RELEASED_FP8)
 @pytest.mark.parametrize("m", [1, 16, 64, 256, 300])
 def test_cuda_fp8_linear_released_shapes(n, k, m):
-    """Decode-sized: FP8 tensor-core dots; prefill-sized: exact bf16 scratch weight through cuBLAS. Measured
-    errors in benchmarks/kernels_results.md."""
+    """Default: exact bf16 dots (decode-sized) or an exact bf16 scratch weight through cuBLAS (prefill-sized);
+    fp8_dot=True: FP8 tensor cores."""
     w, s = _random_fp8(n, k, seed=n + k)
     x = _randn(m, k, seed=m, dtype=torch.float32)
     ref = _emulated_linear(x, w, s, "fp8")
-    rel = _rel(fp8_linear(x, w, s), ref)
-    assert rel < FP32_BOUND, rel
+    assert _rel(fp8_linear(x, w, s), ref) < FP32_BOUND
+    assert _rel(fp8_linear(x, w, s, fp8_dot=True), ref) < FP8_DOT_BOUND
     xb = x.to(torch.bfloat16)
     _assert_close_to_emulation(fp8_linear(xb, w, s, fp8_dot=False), _emulated_linear(xb, w, s, "fp8"),
                                torch.bfloat16)
@@ -307,6 +310,7 @@ def test_cuda_fp4_linear_released_shapes(n, k, m):
     ref = _emulated_linear(x, w, s, "fp4")
     assert _rel(fp4_linear(x, w, s), ref) < FP32_BOUND
     assert _rel(fp8_row_linear(x, fp4_to_fp8_weight(w), s), ref) < FP32_BOUND
+    assert _rel(fp4_linear(x, w, s, fp8_dot=True), ref) < FP8_DOT_BOUND
 
 
 @cuda_only
@@ -335,8 +339,8 @@ def test_cuda_grouped_moe_released_shapes(t):
     tokens = _randn(t, 5120, seed=41, dtype=torch.bfloat16)
     experts, weights = _routing(t, 384, 6, seed=42)
     ref = _emulated_moe(tokens, experts, weights, stacks, limit=10.0, chunk=2)
-    out = grouped_moe(tokens, experts, weights, *stacks, limit=10.0)
-    assert _rel(out, ref) < 5e-3  # bf16 activations: a 1-ulp flip of gate/up/h changes h's FP8 QDQ
+    assert _rel(grouped_moe(tokens, experts, weights, *stacks, limit=10.0), ref) < 5e-3
+    assert _rel(grouped_moe(tokens, experts, weights, *stacks, limit=10.0, fp8_dot=True), ref) < 5e-3
 
 
 @cuda_only

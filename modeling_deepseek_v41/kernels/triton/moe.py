@@ -172,7 +172,7 @@ def _scale_args(scale: torch.Tensor | None, weight: torch.Tensor) -> tuple[torch
 def grouped_moe(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
                 w1: torch.Tensor, s1: torch.Tensor | None, w3: torch.Tensor, s3: torch.Tensor | None,
                 w2: torch.Tensor, s2: torch.Tensor | None, limit: float, fp8_experts: bool = False,
-                fp8_dot: bool = True) -> torch.Tensor:
+                fp8_dot: bool = False) -> torch.Tensor:
     """The routed experts' sum [T, D] in fp32 (the model adds the shared expert, then casts).
 
     tokens [T, D] bf16/fp32; experts [T, k] integer ids; weights [T, k] fp32 routing weights.
@@ -180,8 +180,9 @@ def grouped_moe(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
     - FP4: packed int8 [E, N, K/2] with E8M0 scales [E, N, K/32],
     - FP4 re-encoded by fp4_to_fp8_weight (fp8_experts=True): e4m3 [E, N, K] with the same scales,
     - dense (scales None): bf16/fp32 [E, N, K].
-    Quantized experts multiply on FP8 tensor cores (W4A8 / W8A8, scales per 32-wide K slice); fp8_dot=False uses
-    exact bf16 dots on dequantized tiles instead."""
+    Quantized experts: exact bf16 dots on tiles dequantized in registers (W4A16 with the QDQ'd activations, the
+    emulation's numbers up to fp32 summation order); fp8_dot=True: FP8 tensor cores (W4A8), e4m3 h between the
+    kernels."""
     t, d = tokens.shape
     top_k = experts.shape[1]
     n_experts = w1.shape[0]
