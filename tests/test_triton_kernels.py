@@ -145,6 +145,31 @@ def test_prefill_sized_call_matches_emulation():
     assert _rel(fp8_linear(x, w, s, fp8_dot=False), ref) < FP32_BOUND
 
 
+def _nan_padded_scales(scale, pad=3):
+    """The same scales as a view into a buffer whose bytes past each row are 0xFF (E8M0 NaN): a kernel that reads
+    a scale past K (a masked K slice) turns its zero products into NaN."""
+    full = torch.full((*scale.shape[:-1], scale.shape[-1] + pad), 255, dtype=torch.uint8, device=scale.device)
+    full[..., :scale.shape[-1]] = scale.view(torch.uint8)
+    return full.view(torch.float8_e8m0fnu)[..., :scale.shape[-1]]
+
+
+@pytest.mark.parametrize("fp8_dot", [False, True])
+def test_k_slices_past_the_end_read_no_scale(fp8_dot):
+    """K = 160 leaves three of the last block's four 32-wide slices past the end (and K = 64 two of one)."""
+    x = _randn(3, 160, seed=15, dtype=torch.float32)
+    w8, s8 = _fp8_weight(64, 160, seed=16)
+    w4, s4 = _fp4_weight(64, 160, seed=17)
+    bound = FP8_DOT_BOUND if fp8_dot else FP32_BOUND
+    assert _rel(fp8_linear(x, w8, _nan_padded_scales(s8), fp8_dot=fp8_dot), _emulated_linear(x, w8, s8, "fp8")) < bound
+    assert _rel(fp4_linear(x, w4, _nan_padded_scales(s4), fp8_dot=fp8_dot), _emulated_linear(x, w4, s4, "fp4")) < bound
+    w1, s1, w3, s3, w2, s2 = _experts(4, 64, 64, True, seed=18)
+    tokens = _randn(5, 64, seed=19, dtype=torch.float32)
+    experts, weights = _routing(5, 4, 2, seed=20)
+    padded = (w1, _nan_padded_scales(s1), w3, _nan_padded_scales(s3), w2, _nan_padded_scales(s2))
+    out = grouped_moe(tokens, experts, weights, *padded, limit=0.5, fp8_dot=fp8_dot)
+    assert _rel(out, _emulated_moe(tokens, experts, weights, (w1, s1, w3, s3, w2, s2), limit=0.5)) < 2e-3
+
+
 def test_split_count_depends_on_the_weight_only():
     assert split_count(64, 512) == (4, 128)
     assert split_count(5120, 8192)[0] * 80 >= 264
@@ -339,7 +364,7 @@ def test_cuda_grouped_moe_released_shapes(t):
     tokens = _randn(t, 5120, seed=41, dtype=torch.bfloat16)
     experts, weights = _routing(t, 384, 6, seed=42)
     ref = _emulated_moe(tokens, experts, weights, stacks, limit=10.0, chunk=2)
-    assert _rel(grouped_moe(tokens, experts, weights, *stacks, limit=10.0), ref) < 5e-3
+    assert _rel(grouped_moe(tokens, experts, weights, *stacks, limit=10.0, fp8_dot=False), ref) < 5e-3
     assert _rel(grouped_moe(tokens, experts, weights, *stacks, limit=10.0, fp8_dot=True), ref) < 5e-3
 
 

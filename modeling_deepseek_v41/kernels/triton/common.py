@@ -102,14 +102,15 @@ def k_slice(k0, WFMT: tl.constexpr):
 
 
 @triton.jit
-def weight_scale(s_ptr, offs_n, k0, N, stride_sn, WFMT: tl.constexpr):
+def weight_scale(s_ptr, offs_n, k0, N, K, stride_sn, WFMT: tl.constexpr):
     """The scale [BN] of each weight row for the 32-wide slice at k0: E8M0 per 32x32 tile or per (row, 32); for
-    packed FP4 times 2^6, undoing the 2^-6 of weight_slice's e4m3 encoding of the nibbles."""
+    packed FP4 times 2^6, undoing the 2^-6 of weight_slice's e4m3 encoding of the nibbles. A slice past K reads
+    no scale (1.0): past the row lies another row's scale or unowned memory, and 0 x inf would be NaN."""
     if WFMT == 1:
         rows = offs_n // 32
     else:
         rows = offs_n
-    scale = e8m0_value(s_ptr + rows * stride_sn + k0 // 32, offs_n < N)
+    scale = e8m0_value(s_ptr + rows * stride_sn + k0 // 32, (offs_n < N) & (offs_n * 0 + k0 < K))
     if WFMT == 2:
         scale = scale * 64.0
     return scale
@@ -159,12 +160,12 @@ def dot_k_range(acc, w_ptr, s_ptr, x_ptr, xs_ptr, offs_n, rows, row_mask, k_star
             w = weight_slice(w_ptr, offs_n, k0, N, K, stride_wn, WFMT)
             x = act_slice_t(x_ptr, rows, row_mask, k0, K, stride_xm, WFMT)
             if FP8_DOT:
-                ws = weight_scale(s_ptr, offs_n, k0, N, stride_sn, WFMT)
-                xs = tl.load(xs_ptr + rows * stride_xsm + k0 // 32, mask=row_mask, other=1.0)
+                ws = weight_scale(s_ptr, offs_n, k0, N, K, stride_sn, WFMT)
+                xs = tl.load(xs_ptr + rows * stride_xsm + k0 // 32, mask=row_mask & (rows * 0 + k0 < K), other=1.0)
                 acc += tl.dot(w, x) * (ws[:, None] * xs[None, :])
             else:
                 if WFMT != 0:
-                    w = w.to(tl.float32) * weight_scale(s_ptr, offs_n, k0, N, stride_sn, WFMT)[:, None]
+                    w = w.to(tl.float32) * weight_scale(s_ptr, offs_n, k0, N, K, stride_sn, WFMT)[:, None]
                 w = w.to(DOT_DTYPE)
                 x = cast(x, X_DTYPE).to(DOT_DTYPE)
                 if IEEE:

@@ -60,7 +60,7 @@ def _dequantize_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, stride
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
     k0 = tl.program_id(1) * 32
     w = weight_slice(w_ptr, offs_n, k0, N, K, stride_wn, WFMT).to(tl.float32)
-    w = w * weight_scale(s_ptr, offs_n, k0, N, stride_sn, WFMT)[:, None]
+    w = w * weight_scale(s_ptr, offs_n, k0, N, K, stride_sn, WFMT)[:, None]
     cols = k_slice(k0, WFMT)
     tl.store(out_ptr + offs_n[:, None] * stride_on + cols[None, :], w.to(tl.bfloat16),
              mask=(offs_n < N)[:, None] & (cols < K)[None, :])

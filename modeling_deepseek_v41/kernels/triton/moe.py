@@ -180,9 +180,9 @@ def grouped_moe(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
     - FP4: packed int8 [E, N, K/2] with E8M0 scales [E, N, K/32],
     - FP4 re-encoded by fp4_to_fp8_weight (fp8_experts=True): e4m3 [E, N, K] with the same scales,
     - dense (scales None): bf16/fp32 [E, N, K].
-    Quantized experts: exact bf16 dots on tiles dequantized in registers (W4A16 with the QDQ'd activations, the
-    emulation's numbers up to fp32 summation order); fp8_dot=True: FP8 tensor cores (W4A8), e4m3 h between the
-    kernels."""
+    Quantized experts: exact bf16 dots on tiles dequantized in registers (W4A16 with the QDQ'd activations: the
+    emulation's numbers up to fp32 summation order). fp8_dot=True: FP8 tensor cores (W4A8; e4m3 h and its scales
+    between the kernels), Hopper's FP8 dots summing below fp32 precision."""
     t, d = tokens.shape
     top_k = experts.shape[1]
     n_experts = w1.shape[0]
