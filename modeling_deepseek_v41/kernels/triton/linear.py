@@ -136,7 +136,11 @@ def _quantized(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt: 
                fp8_dot: bool | None) -> torch.Tensor:
     if x.shape[-1] != k:
         raise ValueError(f"input has {x.shape[-1]} features, the weight expects {k}")
+    if weight.stride(-1) != 1 or scale.element_size() != 1:
+        raise ValueError("the weight must be contiguous along K and the scales E8M0 (float8_e8m0fnu or uint8 bytes)")
     rows = x.reshape(-1, k)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
     if fp8_dot is None and rows.shape[0] > DECODE_MAX_ROWS:
         dense = dequantize_weight(weight, scale, fmt, n, k)
         qdq = fp8_act_qdq(rows, torch.bfloat16)

@@ -183,6 +183,14 @@ def grouped_moe(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
     Quantized experts: exact bf16 dots on tiles dequantized in registers (W4A16 with the QDQ'd activations: the
     emulation's numbers up to fp32 summation order). fp8_dot=True: FP8 tensor cores (W4A8; e4m3 h and its scales
     between the kernels), Hopper's FP8 dots summing below fp32 precision."""
+    if tokens.dim() != 2 or experts.dim() != 2 or experts.shape[0] != tokens.shape[0]:
+        raise ValueError(f"grouped_moe takes tokens [T, D] and experts [T, k]; got {tuple(tokens.shape)} and "
+                         f"{tuple(experts.shape)}")
+    if weights.shape != experts.shape:
+        raise ValueError(f"routing weights {tuple(weights.shape)} must match experts {tuple(experts.shape)}")
+    if w1.shape != w3.shape or w2.shape[0] != w1.shape[0] or w2.shape[1] != tokens.shape[1]:
+        raise ValueError(f"expert stacks do not fit: w1 {tuple(w1.shape)}, w3 {tuple(w3.shape)}, w2 {tuple(w2.shape)} "
+                         f"for hidden size {tokens.shape[1]} (expected w1, w3 [E, I, D(/2)] and w2 [E, D, I(/2)])")
     t, d = tokens.shape
     top_k = experts.shape[1]
     n_experts = w1.shape[0]
