@@ -1,0 +1,175 @@
+"""Triton helpers shared by the kernels: the bit formats (e4m3 rounding, E8M0 power-of-two scales, e2m1 codes)
+and the loaders of one 32-wide K slice of a weight in each storage format.
+
+Imports only torch and triton; the model imports this package lazily, when a CUDA tensor arrives.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+FMT_DENSE = 0  # bf16/fp32 weight [N, K]
+FMT_FP8_TILE = 1  # e4m3 [N, K], E8M0 scale per 32x32 tile [ceil(N/32), ceil(K/32)]
+FMT_FP4_ROW = 2  # packed e2m1 [N, K/2] (even element in the low nibble), E8M0 scale per (row, 32) [N, K/32]
+FMT_FP8_ROW = 3  # e4m3 [N, K] re-encoded from FP4 (values exact), E8M0 scale per (row, 32) [N, K/32]
+
+FP8_MAX = 448.0
+INV_FP8_MAX = 1.0 / 448.0  # rounded to fp32 like torch.tensor(1 / 448, dtype=float32)
+
+
+@triton.jit
+def round_e4m3(v):
+    """fp32 values (already within [-448, 448]) rounded to the nearest e4m3 value, ties to even, as fp32.
+
+    Done in integer arithmetic because the conversion instruction's rounding is not what Triton's interpreter
+    does; the result is exact in e4m3, so a later cast to float8 is exact on every backend."""
+    a = tl.abs(v)
+    bits = a.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)  # 3 mantissa bits
+    # below 2^-6 the grid is multiples of 2^-9: adding 2^14 leaves exactly that quantum (ties to even)
+    steps = (a + 16384.0).to(tl.int32, bitcast=True) - 0x46800000
+    sub = steps.to(tl.float32) * 0.001953125
+    r = tl.where(a < 0.015625, sub, normal)
+    return tl.where(v < 0, -r, r)
+
+
+@triton.jit
+def cast(x, DTYPE: tl.constexpr):
+    """fp32 -> DTYPE rounding to nearest even; bf16 done in integer arithmetic (Triton's interpreter truncates)."""
+    if DTYPE == tl.bfloat16:
+        bits = x.to(tl.float32).to(tl.int32, bitcast=True)
+        out = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True).to(tl.bfloat16)
+    else:
+        out = x.to(DTYPE)
+    return out
+
+
+@triton.jit
+def _larger(a, b):
+    return tl.maximum(a, b)
+
+
+# Triton's own max combine where it exists: the interpreter reduces with it in one numpy call
+_MAX_COMBINE = getattr(tl.standard, "_elementwise_max", _larger)
+
+
+@triton.jit
+def abs_max(x, axis: tl.constexpr):
+    """max |x| along `axis`. tl.reduce rather than tl.max: tl.max is fixed as compiled-only when triton was
+    imported before TRITON_INTERPRET was set (the model package imports it), tl.reduce is patched either way."""
+    return tl.reduce(tl.abs(x), axis, _MAX_COMBINE)
+
+
+@triton.jit
+def pow2_ceil_scale(amax):
+    """2^ceil(log2(amax / 448)) from the bits of the fp32 product amax * fp32(1/448) (numerics._pow2_ceil_scale)."""
+    product = amax * 0.002232142857142857
+    bits = product.to(tl.int32, bitcast=True)
+    exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    return (exponent << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e2m1_value(code):
+    """fp32 value of 4-bit e2m1 codes (int32, bit 3 = sign): 0, .5, 1, 1.5, 2, 3, 4, 6 (all exact in e4m3)."""
+    exponent = (code >> 1) & 3
+    mantissa = (code & 1).to(tl.float32)
+    normal = (1.0 + 0.5 * mantissa) * ((1 << exponent).to(tl.float32) * 0.5)
+    magnitude = tl.where(exponent == 0, 0.5 * mantissa, normal)
+    return tl.where((code & 8) != 0, -magnitude, magnitude)
+
+
+@triton.jit
+def e8m0_value(s_ptrs, mask):
+    """fp32 power of two from E8M0 bytes (2^(byte - 127); byte 0 is 2^-127, a subnormal fp32)."""
+    byte = tl.load(s_ptrs, mask=mask, other=127).to(tl.int32) & 0xFF
+    normal = (byte << 23).to(tl.float32, bitcast=True)
+    return tl.where(byte == 0, 5.877471754111438e-39, normal)
+
+
+@triton.jit
+def k_slice(k0, WFMT: tl.constexpr):
+    """Column indices of one 32-wide K slice starting at k0. For packed FP4 weights the slice is read in the order
+    (even elements, odd elements) so that each half is one contiguous run of bytes; activations are read in the
+    same order, so the dot is unchanged (a sum has no order beyond fp32 rounding)."""
+    r = tl.arange(0, 32)
+    if WFMT == 2:
+        cols = k0 + (r % 16) * 2 + r // 16
+    else:
+        cols = k0 + r
+    return cols
+
+
+@triton.jit
+def weight_scale(s_ptr, offs_n, k0, N, K, stride_sn, WFMT: tl.constexpr):
+    """The scale [BN] of each weight row for the 32-wide slice at k0: E8M0 per 32x32 tile or per (row, 32); for
+    packed FP4 times 2^6, undoing the 2^-6 of weight_slice's e4m3 encoding of the nibbles. A slice past K reads
+    no scale (1.0): past the row lies another row's scale or unowned memory, and 0 x inf would be NaN."""
+    if WFMT == 1:
+        rows = offs_n // 32
+    else:
+        rows = offs_n
+    scale = e8m0_value(s_ptr + rows * stride_sn + k0 // 32, (offs_n < N) & (offs_n * 0 + k0 < K))
+    if WFMT == 2:
+        scale = scale * 64.0
+    return scale
+
+
+@triton.jit
+def weight_slice(w_ptr, offs_n, k0, N, K, stride_wn, WFMT: tl.constexpr):
+    """One [BN, 32] slice of the stored weight at columns k0.. (in k_slice's order), unscaled: the dense values,
+    or e4m3 values. Packed FP4 nibbles s|e1 e0|m become the e4m3 byte s|0 0 e1 e0|m 0 0, whose value is the e2m1
+    value times 2^-6 for every code (normal and subnormal alike): exact, and four integer operations."""
+    r = tl.arange(0, 32)
+    mask = (offs_n < N)[:, None] & ((k0 + r)[None, :] < K)
+    if WFMT == 2:
+        # bytes k0/2 + (r % 16): the first 16 columns take the low nibbles (even k), the last 16 the high (odd k)
+        byte = tl.load(w_ptr + offs_n[:, None] * stride_wn + (k0 // 2 + r % 16)[None, :], mask=mask, other=0)
+        nibble = (byte.to(tl.int32) >> ((r // 16) * 4)[None, :]) & 15
+        bits = ((nibble & 8) << 4) | ((nibble & 7) << 2)
+        w = bits.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+    else:
+        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + (k0 + r)[None, :], mask=mask, other=0.0)
+    return w
+
+
+@triton.jit
+def act_slice_t(x_ptr, rows, row_mask, k0, K, stride_xm, WFMT: tl.constexpr):
+    """The activations' [32, BM] slice (transposed: K by rows) at columns k0.., in the weight slice's order."""
+    cols = k_slice(k0, WFMT)
+    mask = (cols[:, None] < K) & row_mask[None, :]
+    return tl.load(x_ptr + rows[None, :] * stride_xm + cols[:, None], mask=mask, other=0.0)
+
+
+@triton.jit
+def dot_k_range(acc, w_ptr, s_ptr, x_ptr, xs_ptr, offs_n, rows, row_mask, k_start, k_stop, N, K,
+                stride_wn, stride_sn, stride_xm, stride_xsm,
+                BK: tl.constexpr, WFMT: tl.constexpr, FP8_DOT: tl.constexpr, X_DTYPE: tl.constexpr,
+                DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr):
+    """acc[BN, BM] += W[offs_n, k_start:k_stop] @ X[rows, k_start:k_stop]^T in 32-wide slices, fixed order.
+
+    FP8_DOT: e4m3 weight values times e4m3 activations (x_ptr, with fp32 scales per row and 32 at xs_ptr) on the
+    FP8 tensor cores, both power-of-two scales applied to each slice's fp32 result. Otherwise the weight is
+    dequantized exactly to DOT_DTYPE (e4m3/e2m1 times a power of two is exact in bf16) and multiplied with the
+    activations rounded to X_DTYPE (already exactly QDQ'd for quantized weights; the weight's dtype for dense
+    ones, as F.linear(x.to(w.dtype), w) does), accumulating in fp32."""
+    for k in range(k_start, k_stop, BK):
+        for j in tl.static_range(BK // 32):
+            k0 = k + j * 32
+            w = weight_slice(w_ptr, offs_n, k0, N, K, stride_wn, WFMT)
+            x = act_slice_t(x_ptr, rows, row_mask, k0, K, stride_xm, WFMT)
+            if FP8_DOT:
+                ws = weight_scale(s_ptr, offs_n, k0, N, K, stride_sn, WFMT)
+                xs = tl.load(xs_ptr + rows * stride_xsm + k0 // 32, mask=row_mask & (rows * 0 + k0 < K), other=1.0)
+                acc += tl.dot(w, x) * (ws[:, None] * xs[None, :])
+            else:
+                if WFMT != 0:
+                    w = w.to(tl.float32) * weight_scale(s_ptr, offs_n, k0, N, K, stride_sn, WFMT)[:, None]
+                w = w.to(DOT_DTYPE)
+                x = cast(x, X_DTYPE).to(DOT_DTYPE)
+                if IEEE:
+                    acc = tl.dot(w, x, acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(w, x, acc)
+    return acc

@@ -1,0 +1,250 @@
+"""Grouped routed-expert MoE on the GPU: every (token, expert) pair of a step in three kernels, no host reads.
+
+Pairs are sorted by expert on the device and cut into blocks of BM rows of one expert; the number of blocks
+launched is a bound from the shapes (min(E, T*k) + ceil(T*k / BM)), so a step is capturable in a CUDA graph at any
+batch size, and blocks past the real count exit at once. The numerics follow DeepseekV41MoE.forward with
+gathered_swiglu: gate and up rounded to the activation dtype, clamped, h = route_weight * (silu(gate) * up) in fp32
+and rounded to the activation dtype, FP8 QDQ of h (quantized experts), w2 rounded to the activation dtype, then
+each token's k contributions summed in fp32 in ascending expert order.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import FMT_DENSE, FMT_FP4_ROW, FMT_FP8_ROW, abs_max, cast, dot_k_range, pow2_ceil_scale, round_e4m3
+from .linear import _TL_DTYPES, dot_dtype_for
+from .quant import fp8_act_qdq, fp8_act_quant
+
+MOE_DECODE_MAX_TOKENS = 256
+MOE_DECODE_TILE = {"BN": 64, "BM": 16, "BK": 128, "num_warps": 4, "num_stages": 3}
+MOE_PREFILL_TILE = {"BN": 128, "BM": 64, "BK": 64, "num_warps": 8, "num_stages": 3}
+
+
+@triton.jit
+def _block_rows(block_start_ptr, block_end_ptr, pair_ptr, b, BM: tl.constexpr):
+    start = tl.load(block_start_ptr + b)
+    end = tl.load(block_end_ptr + b)
+    sorted_rows = start + tl.arange(0, BM)
+    mask = sorted_rows < end
+    pair = tl.load(pair_ptr + sorted_rows, mask=mask, other=0)
+    return start, end, sorted_rows, mask, pair
+
+
+@triton.jit
+def _moe_up_kernel(x_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, hs_ptr, route_ptr, pair_ptr,
+                   block_expert_ptr, block_start_ptr, block_end_ptr, N, K, top_k, limit,
+                   stride_xm, stride_xsm, stride_we, stride_wn, stride_se, stride_sn, stride_hm, stride_hsm,
+                   BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, WFMT: tl.constexpr, FP8_DOT: tl.constexpr,
+                   X_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, ROUND_DTYPE: tl.constexpr, H_DTYPE: tl.constexpr,
+                   HAS_LIMIT: tl.constexpr, QDQ_OUT: tl.constexpr, IEEE: tl.constexpr):
+    """h[sorted row, n] for one block of rows of one expert: both projections from one read of the activations."""
+    b = tl.program_id(0)
+    start, end, sorted_rows, mask, pair = _block_rows(block_start_ptr, block_end_ptr, pair_ptr, b, BM)
+    if start < end:  # blocks past the real count do nothing
+        _moe_up_block(x_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, hs_ptr, route_ptr, block_expert_ptr, b,
+                      sorted_rows, mask, pair, N, K, top_k, limit, stride_xm, stride_xsm, stride_we, stride_wn,
+                      stride_se, stride_sn, stride_hm, stride_hsm, BN, BM, BK, WFMT, FP8_DOT, X_DTYPE, DOT_DTYPE,
+                      ROUND_DTYPE, H_DTYPE, HAS_LIMIT, QDQ_OUT, IEEE)
+
+
+@triton.jit
+def _moe_up_block(x_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, hs_ptr, route_ptr, block_expert_ptr, b,
+                  sorted_rows, mask, pair, N, K, top_k, limit, stride_xm, stride_xsm, stride_we, stride_wn, stride_se,
+                  stride_sn, stride_hm, stride_hsm,
+                  BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, WFMT: tl.constexpr, FP8_DOT: tl.constexpr,
+                  X_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, ROUND_DTYPE: tl.constexpr, H_DTYPE: tl.constexpr,
+                  HAS_LIMIT: tl.constexpr, QDQ_OUT: tl.constexpr, IEEE: tl.constexpr):
+    expert = tl.load(block_expert_ptr + b).to(tl.int64)
+    tokens = pair // top_k
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    gate = tl.full([BN, BM], 0.0, tl.float32)
+    up = tl.full([BN, BM], 0.0, tl.float32)
+    gate = dot_k_range(gate, w1_ptr + expert * stride_we, s1_ptr + expert * stride_se, x_ptr, xs_ptr, offs_n,
+                       tokens, mask, 0, K, N, K, stride_wn, stride_sn, stride_xm, stride_xsm, BK, WFMT, FP8_DOT,
+                       X_DTYPE, DOT_DTYPE, IEEE)
+    up = dot_k_range(up, w3_ptr + expert * stride_we, s3_ptr + expert * stride_se, x_ptr, xs_ptr, offs_n, tokens,
+                     mask, 0, K, N, K, stride_wn, stride_sn, stride_xm, stride_xsm, BK, WFMT, FP8_DOT, X_DTYPE,
+                     DOT_DTYPE, IEEE)
+    gate = cast(gate, ROUND_DTYPE).to(tl.float32)
+    up = cast(up, ROUND_DTYPE).to(tl.float32)
+    if HAS_LIMIT:
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        gate = tl.minimum(gate, limit)
+    route = tl.load(route_ptr + pair, mask=mask, other=0.0)
+    h = route[None, :] * (gate / (1.0 + tl.exp(-gate)) * up)
+    h = cast(h, H_DTYPE).to(tl.float32)
+    if QDQ_OUT:
+        # the down projection's FP8 activation QDQ: the tile holds whole groups of 32 along N
+        groups = tl.reshape(h, [BN // 32, 32, BM])
+        amax = tl.maximum(abs_max(groups, 1), 1e-4)
+        scale = pow2_ceil_scale(amax)
+        q = round_e4m3(tl.minimum(tl.maximum(groups / scale[:, None, :], -448.0), 448.0))
+        if FP8_DOT:  # e4m3 values and their scales, the down projection's FP8 operands
+            h = tl.reshape(q, [BN, BM]).to(tl.float8e4nv)
+            group = tl.program_id(1) * (BN // 32) + tl.arange(0, BN // 32)
+            tl.store(hs_ptr + sorted_rows[None, :] * stride_hsm + group[:, None], scale,
+                     mask=mask[None, :] & (group[:, None] * 32 < N))
+        else:
+            h = cast(tl.reshape(q * scale[:, None, :], [BN, BM]), h_ptr.dtype.element_ty)
+    else:
+        h = cast(h, h_ptr.dtype.element_ty)
+    ptrs = h_ptr + sorted_rows[None, :] * stride_hm + offs_n[:, None]
+    tl.store(ptrs, h, mask=mask[None, :] & (offs_n[:, None] < N))
+
+
+@triton.jit
+def _moe_down_kernel(h_ptr, hs_ptr, w2_ptr, s2_ptr, c_ptr, pair_ptr, block_expert_ptr, block_start_ptr,
+                     block_end_ptr, N, K, stride_hm, stride_hsm, stride_we, stride_wn, stride_se, stride_sn, stride_cm,
+                     BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, WFMT: tl.constexpr, FP8_DOT: tl.constexpr,
+                     X_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, ROUND_DTYPE: tl.constexpr, IEEE: tl.constexpr):
+    """contribution[pair, n] = h[sorted row] @ w2[expert]^T, rounded to the activation dtype."""
+    b = tl.program_id(0)
+    start, end, sorted_rows, mask, pair = _block_rows(block_start_ptr, block_end_ptr, pair_ptr, b, BM)
+    if start < end:  # blocks past the real count do nothing
+        _moe_down_block(h_ptr, hs_ptr, w2_ptr, s2_ptr, c_ptr, block_expert_ptr, b, sorted_rows, mask, pair, N, K,
+                        stride_hm, stride_hsm, stride_we, stride_wn, stride_se, stride_sn, stride_cm, BN, BM, BK,
+                        WFMT, FP8_DOT, X_DTYPE, DOT_DTYPE, ROUND_DTYPE, IEEE)
+
+
+@triton.jit
+def _moe_down_block(h_ptr, hs_ptr, w2_ptr, s2_ptr, c_ptr, block_expert_ptr, b, sorted_rows, mask, pair, N, K,
+                    stride_hm, stride_hsm, stride_we, stride_wn, stride_se, stride_sn, stride_cm,
+                    BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, WFMT: tl.constexpr, FP8_DOT: tl.constexpr,
+                    X_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, ROUND_DTYPE: tl.constexpr, IEEE: tl.constexpr):
+    expert = tl.load(block_expert_ptr + b).to(tl.int64)
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    acc = tl.full([BN, BM], 0.0, tl.float32)
+    acc = dot_k_range(acc, w2_ptr + expert * stride_we, s2_ptr + expert * stride_se, h_ptr, hs_ptr, offs_n,
+                      sorted_rows, mask, 0, K, N, K, stride_wn, stride_sn, stride_hm, stride_hsm, BK, WFMT, FP8_DOT,
+                      X_DTYPE, DOT_DTYPE, IEEE)
+    ptrs = c_ptr + pair[None, :] * stride_cm + offs_n[:, None]
+    out = cast(cast(acc, ROUND_DTYPE).to(tl.float32), c_ptr.dtype.element_ty)
+    tl.store(ptrs, out, mask=mask[None, :] & (offs_n[:, None] < N))
+
+
+@triton.jit
+def _combine_kernel(c_ptr, order_ptr, y_ptr, D, top_k, stride_cm, stride_ym, BLOCK: tl.constexpr):
+    """y[t] = sum over the token's contributions in ascending expert order (fp32, starting from zero)."""
+    t = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < D
+    acc = tl.full([BLOCK], 0.0, tl.float32)
+    for j in range(top_k):
+        slot = tl.load(order_ptr + t * top_k + j)
+        acc += tl.load(c_ptr + (t * top_k + slot) * stride_cm + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + t * stride_ym + offs, acc, mask=mask)
+
+
+def expert_blocks(experts: torch.Tensor, n_experts: int, block_rows: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Device-side schedule: (pair index of each sorted row, expert, first and end sorted row of each block).
+
+    pair = token * k + slot. The block count is a bound from the shapes; blocks past the real count get an empty
+    row range. All torch ops with device results: no host read, capturable."""
+    ids = experts.reshape(-1)
+    pairs = ids.numel()
+    sorted_ids, pair_of_row = torch.sort(ids, stable=True)
+    bounds = torch.arange(n_experts + 1, device=ids.device, dtype=sorted_ids.dtype)
+    offsets = torch.searchsorted(sorted_ids, bounds)  # first sorted row of each expert, and the end
+    blocks = (offsets[1:] - offsets[:-1] + block_rows - 1) // block_rows
+    block_end = torch.cumsum(blocks, 0)
+    capacity = min(n_experts, pairs) + triton.cdiv(pairs, block_rows)
+    b = torch.arange(capacity, device=ids.device, dtype=block_end.dtype)
+    expert = torch.searchsorted(block_end, b, right=True).clamp_max(n_experts - 1)
+    local = b - (block_end - blocks)[expert]
+    start = offsets[expert] + local * block_rows
+    end = torch.minimum(offsets[expert + 1], start + block_rows)
+    valid = b < block_end[-1]
+    start = torch.where(valid, start, 0)
+    end = torch.where(valid, end, 0)
+    return pair_of_row.to(torch.int32), expert.to(torch.int32), start.to(torch.int32), end.to(torch.int32)
+
+
+def _scale_args(scale: torch.Tensor | None, weight: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    if scale is None:
+        return weight, 0, 0
+    return scale.view(torch.uint8), scale.stride(0), scale.stride(1)
+
+
+def grouped_moe(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+                w1: torch.Tensor, s1: torch.Tensor | None, w3: torch.Tensor, s3: torch.Tensor | None,
+                w2: torch.Tensor, s2: torch.Tensor | None, limit: float, fp8_experts: bool = False,
+                fp8_dot: bool = False) -> torch.Tensor:
+    """The routed experts' sum [T, D] in fp32 (the model adds the shared expert, then casts).
+
+    tokens [T, D] bf16/fp32; experts [T, k] integer ids; weights [T, k] fp32 routing weights.
+    Weights stacked per projection, contiguous: w1, w3 [E, I, D] and w2 [E, D, I], either
+    - FP4: packed int8 [E, N, K/2] with E8M0 scales [E, N, K/32],
+    - FP4 re-encoded by fp4_to_fp8_weight (fp8_experts=True): e4m3 [E, N, K] with the same scales,
+    - dense (scales None): bf16/fp32 [E, N, K].
+    Quantized experts: exact bf16 dots on tiles dequantized in registers (W4A16 with the QDQ'd activations: the
+    emulation's numbers up to fp32 summation order). fp8_dot=True: FP8 tensor cores (W4A8; e4m3 h and its scales
+    between the kernels), Hopper's FP8 dots summing below fp32 precision."""
+    if tokens.dim() != 2 or experts.dim() != 2 or experts.shape[0] != tokens.shape[0]:
+        raise ValueError(f"grouped_moe takes tokens [T, D] and experts [T, k]; got {tuple(tokens.shape)} and "
+                         f"{tuple(experts.shape)}")
+    if weights.shape != experts.shape:
+        raise ValueError(f"routing weights {tuple(weights.shape)} must match experts {tuple(experts.shape)}")
+    if w1.shape != w3.shape or w2.shape[0] != w1.shape[0] or w2.shape[1] != tokens.shape[1]:
+        raise ValueError(f"expert stacks do not fit: w1 {tuple(w1.shape)}, w3 {tuple(w3.shape)}, w2 {tuple(w2.shape)} "
+                         f"for hidden size {tokens.shape[1]} (expected w1, w3 [E, I, D(/2)] and w2 [E, D, I(/2)])")
+    t, d = tokens.shape
+    top_k = experts.shape[1]
+    n_experts = w1.shape[0]
+    quantized = s1 is not None
+    fmt = (FMT_FP8_ROW if fp8_experts else FMT_FP4_ROW) if quantized else FMT_DENSE
+    inter = w1.shape[1]
+    if quantized and (d % 32 or inter % 32):
+        raise ValueError(f"FP4 experts need hidden ({d}) and intermediate ({inter}) sizes divisible by 32")
+    tile = MOE_DECODE_TILE if t <= MOE_DECODE_MAX_TOKENS else MOE_PREFILL_TILE
+    pair_of_row, block_expert, block_start, block_end = expert_blocks(experts, n_experts, tile["BM"])
+    act_dtype = tokens.dtype
+    fp8_dot = quantized and fp8_dot
+    xs = hs = None
+    if fp8_dot:
+        x, xs = fp8_act_quant(tokens)
+        dot_dtype, round_dtype = torch.bfloat16, act_dtype
+    elif quantized:
+        x = fp8_act_qdq(tokens, torch.bfloat16)
+        dot_dtype, round_dtype = torch.bfloat16, act_dtype
+    else:
+        x = tokens.contiguous()
+        dot_dtype = round_dtype = w1.dtype
+    # h is rounded to the activation dtype; once QDQ'd (quantized experts) it is exact in bf16
+    h_dtype = torch.float8_e4m3fn if fp8_dot else torch.bfloat16 if quantized else act_dtype
+    h = torch.empty(t * top_k, inter, dtype=h_dtype, device=tokens.device)
+    if fp8_dot:
+        hs = torch.empty(t * top_k, inter // 32, dtype=torch.float32, device=tokens.device)
+    x_dtype = dot_dtype
+    dot_dtype = dot_dtype_for(tokens.device, dot_dtype)
+    ieee = dot_dtype == torch.float32
+    route = weights.reshape(-1).to(torch.float32).contiguous()
+    nb = block_expert.shape[0]
+    s1_arg, s_e, s_n = _scale_args(s1, w1)
+    s3_arg, _, _ = _scale_args(s3, w3)
+    xs_arg, hs_arg = (x, h) if xs is None else (xs, hs)
+    _moe_up_kernel[(nb, triton.cdiv(inter, tile["BN"]))](
+        x, xs_arg, w1, s1_arg, w3, s3_arg, h, hs_arg, route, pair_of_row, block_expert, block_start, block_end,
+        inter, d, top_k, float(limit), x.stride(0), xs_arg.stride(0), w1.stride(0), w1.stride(1), s_e, s_n,
+        h.stride(0), hs_arg.stride(0), BN=tile["BN"], BM=tile["BM"], BK=tile["BK"], WFMT=fmt, FP8_DOT=fp8_dot,
+        X_DTYPE=_TL_DTYPES[x_dtype],
+        DOT_DTYPE=_TL_DTYPES[dot_dtype],
+        ROUND_DTYPE=_TL_DTYPES[round_dtype], H_DTYPE=_TL_DTYPES[act_dtype], HAS_LIMIT=limit > 0,
+        QDQ_OUT=quantized, IEEE=ieee, num_warps=tile["num_warps"], num_stages=tile["num_stages"])
+    contributions = torch.empty(t * top_k, d, dtype=act_dtype, device=tokens.device)
+    s2_arg, s_e, s_n = _scale_args(s2, w2)
+    _moe_down_kernel[(nb, triton.cdiv(d, tile["BN"]))](
+        h, hs_arg, w2, s2_arg, contributions, pair_of_row, block_expert, block_start, block_end, d, inter,
+        h.stride(0), hs_arg.stride(0), w2.stride(0), w2.stride(1), s_e, s_n, contributions.stride(0),
+        BN=tile["BN"], BM=tile["BM"], BK=tile["BK"], WFMT=fmt, FP8_DOT=fp8_dot, X_DTYPE=_TL_DTYPES[x_dtype],
+        DOT_DTYPE=_TL_DTYPES[dot_dtype],
+        ROUND_DTYPE=_TL_DTYPES[round_dtype], IEEE=ieee, num_warps=tile["num_warps"], num_stages=tile["num_stages"])
+    order = experts.argsort(dim=-1, stable=True).to(torch.int32).contiguous()
+    y = torch.empty(t, d, dtype=torch.float32, device=tokens.device)
+    block = 1024
+    _combine_kernel[(t, triton.cdiv(d, block))](contributions, order, y, d, top_k, contributions.stride(0),
+                                                y.stride(0), BLOCK=block)
+    return y
