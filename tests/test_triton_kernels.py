@@ -1,4 +1,4 @@
-"""The Triton kernels against the fp32 emulation (modeling_deepseek_v41.numerics / quantized_linear / moe).
+"""The Triton kernels against the fp32 emulation (kernels.numerics, kernels.linear, layers.moe).
 
 Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set before the kernels are defined) on
 small shapes; the interpreter runs every kernel here, FP8 dots included. With a GPU the same checks run compiled,
@@ -23,9 +23,9 @@ from modeling_deepseek_v41.kernels.triton import (  # noqa: E402
 )
 from modeling_deepseek_v41.kernels.triton.linear import DECODE_MAX_ROWS, split_count  # noqa: E402
 from modeling_deepseek_v41.kernels.triton.moe import expert_blocks  # noqa: E402
-from modeling_deepseek_v41.moe import gathered_swiglu  # noqa: E402
-from modeling_deepseek_v41 import numerics  # noqa: E402
-from modeling_deepseek_v41.quantized_linear import DeepseekV41Linear  # noqa: E402
+from modeling_deepseek_v41.layers.moe import gathered_swiglu  # noqa: E402
+from modeling_deepseek_v41.kernels import numerics  # noqa: E402
+from modeling_deepseek_v41.kernels.linear import DeepseekV41Linear  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
 BF16_ULP = 2.0**-7  # one bf16 ulp, relative, at worst
