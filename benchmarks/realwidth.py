@@ -33,8 +33,8 @@ sys.path.insert(0, str(ROOT))
 
 from modeling_deepseek_v41 import DeepseekV41Config, DeepseekV41ForCausalLM  # noqa: E402
 from modeling_deepseek_v41.cache import DeepseekV41Cache  # noqa: E402
-from modeling_deepseek_v41.engram_hashing import engram_table_rows  # noqa: E402
-from modeling_deepseek_v41.cuda_graph_decode import DeepseekV41CUDAGraphDecoder  # noqa: E402
+from modeling_deepseek_v41.layers.engram_hashing import engram_table_rows  # noqa: E402
+from modeling_deepseek_v41.cache.graph_decoder import DeepseekV41CUDAGraphDecoder  # noqa: E402
 
 OFFICIAL = ROOT / "benchmarks" / "released_config.json"
 

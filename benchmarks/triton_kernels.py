@@ -1,7 +1,7 @@
 """Times the Triton kernels at the released widths against the HBM roofline, the FP8 tensor-core peak, torch's
 bf16 matmul and the fp32 emulation (one H200; CUDA graphs, rotating weight copies so the L2 cannot hold them).
 
-    python benchmarks/kernels.py [--out DIR]      # writes DIR/kernels.txt (default: $OUT or .)
+    python benchmarks/triton_kernels.py [--out DIR]      # writes DIR/kernels.txt (default: $OUT or .)
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 from modeling_deepseek_v41.kernels.triton import (dense_linear, fp4_linear, fp4_to_fp8_weight, fp8_linear,
                                                   fp8_row_linear, grouped_moe)
-from modeling_deepseek_v41.moe import gathered_swiglu
-from modeling_deepseek_v41.quantized_linear import DeepseekV41Linear
+from modeling_deepseek_v41.layers.moe import gathered_swiglu
+from modeling_deepseek_v41.kernels.linear import DeepseekV41Linear
 
 HBM = 4.8e12  # bytes/s, H200 datasheet
 FP8_PEAK = 1979e12  # dense FP8 FLOP/s, H100/H200 SXM datasheet
