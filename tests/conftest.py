@@ -1,8 +1,13 @@
+import os
 import sys
 from pathlib import Path
 
-import pytest
-import torch
+# MKL picks its fp32 GEMM kernels (and so their summation order) by CPU and thread split; the fixtures' reference
+# ran on MKL's AVX2 path. Pinning it makes these tests' GEMMs sum like the reference's on any x86 CPU (docs/model.md).
+os.environ.setdefault("MKL_CBWR", "AVX2,STRICT")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 
