@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from modeling_deepseek_v41.row_invariant import row_invariant_linear
+from modeling_deepseek_v41.kernels.linear import row_invariant_linear
 
 BLOCK = 192
 
