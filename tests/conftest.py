@@ -4,6 +4,7 @@ from pathlib import Path
 
 # MKL picks its fp32 GEMM kernels (and so their summation order) by CPU and thread split; the fixtures' reference
 # ran on MKL's AVX2 path. Pinning it makes these tests' GEMMs sum like the reference's on any x86 CPU (docs/model.md).
+# On an Intel CPU it also selects MKL's AVX2 exp, which rounds unlike the reference's: reference_numerics.py detects that.
 os.environ.setdefault("MKL_CBWR", "AVX2,STRICT")
 
 import pytest  # noqa: E402

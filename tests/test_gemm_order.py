@@ -13,24 +13,11 @@ import torch
 
 from modeling_deepseek_v41.kernels.linear import row_invariant_linear
 
-BLOCK = 192
-
-
-def _fma_blocks(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [M,K] @ w[N,K]^T: per K block a sequential fp32 FMA chain (products of bf16 x fp32 are exact in float64)."""
-    xd, wd = x.double(), w.double()
-    total = None
-    for start in range(0, x.shape[1], BLOCK):
-        acc = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float32)
-        for k in range(start, min(start + BLOCK, x.shape[1])):
-            acc = (acc.double() + xd[:, k:k + 1] * wd[:, k]).float()
-        total = acc if total is None else total + acc
-    return total
-
+from reference_numerics import fma_blocks
 
 @pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="the pinned order is MKL's")
 def test_hc_mix_projection_sums_in_the_reference_order():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(11, 512, generator=gen).bfloat16().float()  # streams are bf16 values
     w = torch.randn(24, 512, generator=gen) * 0.05
-    assert torch.equal(row_invariant_linear(x, w), _fma_blocks(x, w)), f"MKL_CBWR={os.environ.get('MKL_CBWR')}"
+    assert torch.equal(row_invariant_linear(x, w), fma_blocks(x, w)), f"MKL_CBWR={os.environ.get('MKL_CBWR')}"
