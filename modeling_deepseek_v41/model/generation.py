@@ -120,3 +120,21 @@ class DeepseekV41GenerationMixin(GenerationMixin):
             raise ValueError("cuda_graphs=True needs a cache without DSpark rings (DeepseekV41Cache(config)).")
         if cuda_graphs:
             run.graphs = GenerationGraphs(self, cache, generation_config.max_length)
+
+    def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, *args, **kwargs) -> dict:
+        """Images and their token types belong to the prefill only; later steps feed text tokens (token_types is
+        sliced like input_ids: transformers slices only the token-type names it knows)."""
+        is_first = kwargs.get("is_first_iteration", False)
+        cache = kwargs.get("cache")
+        if cache is not None and cache.pending_replay:
+            cache.check_extends(input_ids)
+        continuing = cache is not None and cache.get_seq_length() > 0 and not is_first
+        token_types = kwargs.pop("token_types", None)
+        model_inputs = super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
+        if continuing:
+            for key in ("pixel_values", "image_grids"):
+                model_inputs.pop(key, None)
+        elif token_types is not None:
+            width = model_inputs["input_ids"].shape[1]
+            model_inputs["token_types"] = token_types[:, -width:]
+        return model_inputs
