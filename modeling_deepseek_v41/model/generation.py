@@ -53,6 +53,8 @@ class DeepseekV41GenerationMixin(GenerationMixin):
             kwargs["generation_config"] = config
         elif base is not None:
             kwargs["generation_config"] = base
+        if "past_key_values" in kwargs and kwargs.get("cache") is None:  # transformers' older name for `cache`
+            kwargs["cache"] = kwargs.pop("past_key_values")
         cache = kwargs.get("cache")
         if isinstance(cache, DeepseekV41Cache):
             cache._is_user_defined = True  # transformers' mark for a cache the caller passed (it outlives the call)
