@@ -45,7 +45,7 @@ def run(model, ids, mask, seed: int | None = None, **kwargs):
 MODES = {
     "greedy": dict(do_sample=False),
     "sample": dict(do_sample=True, top_k=0, temperature=1.5),
-    "beam": dict(do_sample=False, num_beams=3),
+    "beam": dict(do_sample=False, num_beams=2),
 }
 
 
@@ -54,10 +54,10 @@ def test_cached_equals_uncached(model, mode):
     """Greedy, seeded sampling and beam search give the same tokens with the cache as when every step re-reads
     the whole sequence (use_cache=False), on a left-padded batch."""
     ids, mask = left_padded([9, 6])
-    common = dict(max_new_tokens=5, min_new_tokens=5, pad_token_id=PAD, **MODES[mode])
+    common = dict(max_new_tokens=4, min_new_tokens=4, pad_token_id=PAD, **MODES[mode])
     cached = run(model, ids, mask, seed=5, **common)
     uncached = run(model, ids, mask, seed=5, use_cache=False, **common)
-    assert cached.shape == (2, 9 + 5)
+    assert cached.shape == (2, 9 + 4)
     assert torch.equal(cached, uncached)
 
 
@@ -69,7 +69,7 @@ def test_assisted_decoding_equals_greedy_without_cache(model, drafting):
     ids = torch.cat([ids, ids[:, 3:9]], dim=1)  # a repeated span gives prompt lookup something to draft from
     mask = torch.ones_like(ids)
     extra = dict(assistant_model=model) if drafting == "assistant_model" else dict(prompt_lookup_num_tokens=3)
-    common = dict(max_new_tokens=8, min_new_tokens=8, **GREEDY)
+    common = dict(max_new_tokens=6, min_new_tokens=6, **GREEDY)
     drafted = run(model, ids, mask, **common, **extra)
     plain = run(model, ids, mask, use_cache=False, **common)
     assert torch.equal(drafted, plain)
@@ -150,7 +150,7 @@ def test_batched_equals_one_at_a_time(model):
     """A left-padded batch gives each row the tokens it gets alone, unpadded."""
     lengths = [10, 4, 7]
     ids, mask = left_padded(lengths, seed=8)
-    common = dict(max_new_tokens=5, min_new_tokens=5, **GREEDY)
+    common = dict(max_new_tokens=4, min_new_tokens=4, **GREEDY)
     batched = run(model, ids, mask, **common)
     for row, length in enumerate(lengths):
         alone = ids[row: row + 1, ids.shape[1] - length:]
