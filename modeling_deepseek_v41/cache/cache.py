@@ -7,6 +7,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from .kv_access import KVAccessMixin
+from .layer_view import DeepseekV41LayerView
 from .static import StaticDecodeMixin
 from .storage import Columns, Pool, Ring
 from .persistence import load_cache, save_cache
@@ -32,9 +33,10 @@ class DeepseekV41Cache(KVAccessMixin, StaticDecodeMixin, Cache):
     """
 
     def __init__(self, config, crop_horizon: int = DEFAULT_CROP_HORIZON, dspark: bool = False) -> None:
-        super().__init__(layers=[])
-        self.dspark = dspark  # feed the DSpark drafter's rings from every processed position
         self.text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        # one view per backbone layer: generate() reads len(cache) and the layers' kinds (attention, not recurrent)
+        super().__init__(layers=[DeepseekV41LayerView(self, i) for i in range(self.text_config.num_hidden_layers)])
+        self.dspark = dspark  # feed the DSpark drafter's rings from every processed position
         self.plan = LayerPlan.from_config(self.text_config)
         self.crop_horizon = crop_horizon
         self.config_signature = self.signature_of(self.text_config)

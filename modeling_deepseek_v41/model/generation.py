@@ -7,6 +7,7 @@ generator) is a `GenerationRun` held by the call's cache for the call's duration
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass
 
@@ -16,6 +17,8 @@ from transformers import GenerationMixin
 from ..cache.cache import DeepseekV41Cache
 from ..cache.graph_decoder import GenerationGraphs, check_graph_decoding
 from .dspark import DSparkCandidateGenerator, dspark_generation_config
+
+SUPPORTED_CACHE_IMPLEMENTATIONS = (None, "dynamic", "static")
 
 
 @dataclass
@@ -40,9 +43,9 @@ class DeepseekV41GenerationMixin(GenerationMixin):
         field, also settable in generation_config.json) and `dspark_confidence_threshold`. `cuda_graphs=True`
         replays the one-token decode steps from a CUDA graph (greedy or sampling, batch of any size, on a CUDA
         device; not with DSpark or beam search). Pass a dict as `generation_stats` to get the call's measured
-        speed, cache size and draft acceptance in it."""
-        if cuda_graphs:
-            check_graph_decoding(self)
+        speed, cache size and draft acceptance in it. `cache_implementation`: None or "dynamic" (the model's own
+        growing DeepseekV41Cache) or "static" (the same as `cuda_graphs=True`); others are refused."""
+        implementation = kwargs.pop("cache_implementation", None)
         use_dspark = kwargs.pop("use_dspark", None)
         threshold = kwargs.pop("dspark_confidence_threshold", None)
         base = kwargs.pop("generation_config", None)
@@ -53,6 +56,11 @@ class DeepseekV41GenerationMixin(GenerationMixin):
             kwargs["generation_config"] = config
         elif base is not None:
             kwargs["generation_config"] = base
+        cuda_graphs = self._resolve_cache_implementation(implementation, kwargs) or cuda_graphs
+        if cuda_graphs:
+            check_graph_decoding(self)
+        if "past_key_values" in kwargs and kwargs.get("cache") is None:  # transformers' older name for `cache`
+            kwargs["cache"] = kwargs.pop("past_key_values")
         cache = kwargs.get("cache")
         if isinstance(cache, DeepseekV41Cache):
             cache._is_user_defined = True  # transformers' mark for a cache the caller passed (it outlives the call)
@@ -75,6 +83,23 @@ class DeepseekV41GenerationMixin(GenerationMixin):
         if generation_stats is not None:
             generation_stats.update(self._generation_stats(output, args, kwargs, elapsed, cache, run.drafter))
         return output
+
+    def _resolve_cache_implementation(self, implementation: str | None, kwargs: dict) -> bool:
+        """Check the requested cache implementation (argument or generation config) and clear it from the config
+        (generate() always gets a DeepseekV41Cache); returns whether it asks for static (CUDA-graph) decoding."""
+        config = kwargs.get("generation_config") or self.generation_config
+        implementation = implementation or getattr(config, "cache_implementation", None)
+        if implementation not in SUPPORTED_CACHE_IMPLEMENTATIONS:
+            raise ValueError(
+                f"cache_implementation={implementation!r} is not supported by DeepSeek-V4.1, whose cache holds "
+                "compressed CSA2 pools (DeepseekV41Cache): use None or 'dynamic' (the default growing cache) or "
+                "'static' (fixed buffers replayed from a CUDA graph, the same as cuda_graphs=True; CUDA only)."
+            )
+        if getattr(config, "cache_implementation", None) is not None:
+            config = copy.deepcopy(config)
+            config.cache_implementation = None  # transformers would otherwise build its own cache from it
+            kwargs["generation_config"] = config
+        return implementation == "static"
 
     @staticmethod
     def _generation_stats(output, args, kwargs, elapsed: float, cache, drafter) -> dict:
@@ -120,3 +145,21 @@ class DeepseekV41GenerationMixin(GenerationMixin):
             raise ValueError("cuda_graphs=True needs a cache without DSpark rings (DeepseekV41Cache(config)).")
         if cuda_graphs:
             run.graphs = GenerationGraphs(self, cache, generation_config.max_length)
+
+    def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, *args, **kwargs) -> dict:
+        """Images and their token types belong to the prefill only; later steps feed text tokens (token_types is
+        sliced like input_ids: transformers slices only the token-type names it knows)."""
+        is_first = kwargs.get("is_first_iteration", False)
+        cache = kwargs.get("cache")
+        if cache is not None and cache.pending_replay:
+            cache.check_extends(input_ids)
+        continuing = cache is not None and cache.get_seq_length() > 0 and not is_first
+        token_types = kwargs.pop("token_types", None)
+        model_inputs = super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
+        if continuing:
+            for key in ("pixel_values", "image_grids"):
+                model_inputs.pop(key, None)
+        elif token_types is not None:
+            width = model_inputs["input_ids"].shape[1]
+            model_inputs["token_types"] = token_types[:, -width:]
+        return model_inputs
