@@ -16,6 +16,8 @@ from transformers import GenerationMixin
 from ..cache.cache import DeepseekV41Cache
 from ..cache.graph_decoder import GenerationGraphs, check_graph_decoding
 from .dspark import DSparkCandidateGenerator, dspark_generation_config
+from .inputs import check_generate_inputs
+from .invalid_logits import with_invalid_logits_check
 
 
 @dataclass
@@ -30,6 +32,8 @@ class GenerationRun:
 class DeepseekV41GenerationMixin(GenerationMixin):
     """transformers' generation with this model's cache, drafter and graph decoder."""
 
+    _get_logits_processor = with_invalid_logits_check(GenerationMixin._get_logits_processor)
+
     @property
     def has_dspark(self) -> bool:
         """Whether the DSpark drafter's weights (`mtp.*`) are part of this model."""
@@ -41,6 +45,7 @@ class DeepseekV41GenerationMixin(GenerationMixin):
         replays the one-token decode steps from a CUDA graph (greedy or sampling, batch of any size, on a CUDA
         device; not with DSpark or beam search). Pass a dict as `generation_stats` to get the call's measured
         speed, cache size and draft acceptance in it."""
+        check_generate_inputs(self.config, args, kwargs)
         if cuda_graphs:
             check_graph_decoding(self)
         use_dspark = kwargs.pop("use_dspark", None)

@@ -1,0 +1,88 @@
+"""Hostile inputs, weights and checkpoint folders: each refused with an error that names the problem."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model_factory import random_model
+from modeling_deepseek_v41.cache import DeepseekV41Cache
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model(dtype=torch.float64, seed=5)
+
+
+def _ids(batch=2, seq=6):
+    return torch.randint(3, 500, (batch, seq), generator=torch.Generator().manual_seed(1))
+
+
+def _mask(batch=2, seq=6):
+    return torch.ones(batch, seq, dtype=torch.long)
+
+
+def _all_masked_row():
+    mask = _mask()
+    mask[1] = 0
+    return mask
+
+
+def _image_span_types():
+    types = torch.full((2, 6), -1)
+    types[0, 2:4] = 0
+    return types
+
+
+BAD_INPUTS = {
+    "empty": (dict(input_ids=_ids(2, 0)), "input_ids is empty"),
+    "id_too_large": (dict(input_ids=torch.full((1, 3), 512)), "token id 512, outside the vocabulary"),
+    "negative_id": (dict(input_ids=torch.tensor([[5, -3, 7]])), "token id -3, outside the vocabulary"),
+    "float_ids": (dict(input_ids=_ids().float()), "input_ids must be an integer tensor"),
+    "one_dim_ids": (dict(input_ids=_ids()[0]), r"shape \[batch, sequence\]"),
+    "longer_mask": (dict(input_ids=_ids(), attention_mask=_mask(2, 8)), "attention_mask covers 8 columns"),
+    "mask_batch": (dict(input_ids=_ids(), attention_mask=_mask(3, 6)), "one row per input row"),
+    "all_masked_row": (dict(input_ids=_ids(), attention_mask=_all_masked_row()), "row 1 masks every token"),
+    "image_without_pixels": (dict(input_ids=_ids(), token_types=_image_span_types()),
+                             "image span but no pixel_values"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_forward_refuses_bad_input(model, case):
+    kwargs, message = BAD_INPUTS[case]
+    with pytest.raises(ValueError, match=message):
+        model(**kwargs)
+
+
+@pytest.mark.parametrize("case", ["empty", "id_too_large", "longer_mask", "all_masked_row", "image_without_pixels"])
+def test_generate_refuses_bad_input_before_any_work(model, case):
+    kwargs, message = BAD_INPUTS[case]
+    with pytest.raises(ValueError, match=message):
+        model.generate(**kwargs, max_new_tokens=2, do_sample=False, pad_token_id=2)
+
+
+def test_a_mask_over_cache_and_chunk_is_accepted_and_checked(model):
+    cache = DeepseekV41Cache(model.config)
+    with torch.no_grad():
+        model(_ids(), attention_mask=_mask(), cache=cache)
+        model(_ids(2, 1), attention_mask=_mask(2, 7), cache=cache)  # cache plus chunk: valid
+        with pytest.raises(ValueError, match=r"pass a mask of 1 \(the new tokens\) or 8"):
+            model(_ids(2, 1), attention_mask=_mask(2, 5), cache=cache)
+
+
+@pytest.mark.parametrize("indices, message", [
+    (torch.tensor([0, 2]), "row index 2, but the cache holds 2 rows"),
+    (torch.tensor([-1, 0]), "row index -1, but the cache holds 2 rows"),
+    (torch.tensor([0.0, 1.0]), "integer row indices, got dtype torch.float32"),
+    ([0, 1], "1-D LongTensor of row indices, got list"),
+    (torch.tensor([[0, 1]]), "1-D tensor of row indices"),
+], ids=["out_of_range", "negative", "float", "list", "two_dim"])
+def test_reorder_cache_refuses_bad_indices_and_keeps_the_rows(model, indices, message):
+    cache = DeepseekV41Cache(model.config)
+    with torch.no_grad():
+        model(_ids(), cache=cache)
+    tokens = cache._tokens.view(0, cache.columns).clone()
+    with pytest.raises(ValueError, match=message):
+        cache.reorder_cache(indices)
+    assert torch.equal(cache._tokens.view(0, cache.columns), tokens)
