@@ -7,6 +7,9 @@ import torch
 
 from model_factory import random_model
 from modeling_deepseek_v41.cache import DeepseekV41Cache
+from reference_cases import FIXTURES
+
+CHECKPOINT = FIXTURES / "tiny-text" / "checkpoint"
 
 
 @pytest.fixture(scope="module")
@@ -86,3 +89,102 @@ def test_reorder_cache_refuses_bad_indices_and_keeps_the_rows(model, indices, me
     with pytest.raises(ValueError, match=message):
         cache.reorder_cache(indices)
     assert torch.equal(cache._tokens.view(0, cache.columns), tokens)
+
+
+# -- numerics: non-finite weights and logits ---------------------------------------------------------------------
+
+def test_generate_stops_on_all_nan_logits_even_when_removing_invalid_values(model):
+    from modeling_deepseek_v41.model.invalid_logits import InvalidLogitsError
+
+    broken = random_model(dtype=torch.float64, seed=5)
+    with torch.no_grad():
+        broken.head.weight.fill_(float("nan"))
+    for remove in (False, True):
+        with pytest.raises(InvalidLogitsError, match="every logit of row 0 is NaN"):
+            broken.generate(_ids(), attention_mask=_mask(), max_new_tokens=3, do_sample=False, pad_token_id=2,
+                            remove_invalid_values=remove)
+
+
+def _checkpoint_with(tmp_path, edit):
+    """A copy of the tiny fixture checkpoint whose first shard went through `edit(tensors)`."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "checkpoint"
+    shutil.copytree(CHECKPOINT, folder)
+    shard = sorted(folder.glob("*.safetensors"))[0]
+    tensors = load_file(shard)
+    edit(tensors)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    return folder
+
+
+def _nan_embedding(tensors):
+    tensors["embed.weight"][3, 5] = float("nan")
+
+
+def _nan_e8m0_scale(tensors):
+    scale = tensors["layers.0.attn.wq_a.scale"]
+    scale.view(torch.uint8)[0, 0] = 0xFF
+
+
+@pytest.mark.parametrize("edit, name, kind", [
+    (_nan_embedding, "embed.weight", "NaN or Inf"),
+    (_nan_e8m0_scale, "layers.0.attn.wq_a.scale", "E8M0 scale byte 0xFF"),
+], ids=["nan_weight", "e8m0_0xff"])
+def test_non_finite_loaded_weights_are_named_unless_skipped(tmp_path, edit, name, kind):
+    from transformers import AutoModelForCausalLM
+
+    folder = _checkpoint_with(tmp_path, edit)
+    with pytest.raises(ValueError, match=f"'{name}'.*{kind}.*check_finite=False"):
+        AutoModelForCausalLM.from_pretrained(folder)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, check_finite=False)  # skipped on request: it loads
+    broken = loaded.get_parameter(name).detach()
+    assert bool(torch.isnan(broken.float()).any()) if broken.dtype != torch.float8_e8m0fnu else \
+        bool((broken.view(torch.uint8) == 0xFF).any())
+
+
+# -- checkpoint folders: corrupted JSON, wrong paths ----------------------------------------------------------------
+
+def _break_index(folder):
+    (folder / "model.safetensors.index.json").write_text('{"weight_map": {"embed.weight": ')
+
+
+def _break_header(folder):
+    import struct
+
+    shard = sorted(folder.glob("*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    length = struct.unpack("<Q", data[:8])[0]
+    data[8:8 + length] = b"{" + b"x" * (length - 1)  # same length, not JSON
+    shard.write_bytes(bytes(data))
+    return shard.name
+
+
+def test_index_that_is_not_json_is_named(tmp_path):
+    from modeling_deepseek_v41 import DeepseekV41ForCausalLM
+
+    folder = _checkpoint_with(tmp_path, lambda tensors: None)
+    _break_index(folder)
+    with pytest.raises(ValueError, match=r"model\.safetensors\.index\.json: the index is not valid JSON"):
+        DeepseekV41ForCausalLM.from_pretrained(folder)
+
+
+def test_safetensors_header_that_is_not_json_is_named(tmp_path):
+    from modeling_deepseek_v41 import DeepseekV41ForCausalLM
+
+    folder = _checkpoint_with(tmp_path, lambda tensors: None)
+    name = _break_header(folder)
+    with pytest.raises(ValueError, match=f"{name}: its safetensors header is not valid JSON"):
+        DeepseekV41ForCausalLM.from_pretrained(folder)
+
+
+def test_a_file_or_a_missing_folder_is_not_sent_to_the_hub(tmp_path):
+    from modeling_deepseek_v41 import DeepseekV41ForCausalLM
+
+    shard = sorted(CHECKPOINT.glob("*.safetensors"))[0]
+    with pytest.raises(ValueError, match="is a file; from_pretrained needs the checkpoint folder"):
+        DeepseekV41ForCausalLM.from_pretrained(shard)
+    with pytest.raises(ValueError, match="checkpoint folder .* does not exist"):
+        DeepseekV41ForCausalLM.from_pretrained(tmp_path / "no" / "such" / "folder")
