@@ -65,3 +65,6 @@ def check_generate_inputs(config, args: tuple, kwargs: dict) -> None:
         return  # transformers builds a prompt from the BOS token or reports the missing input itself
     check_forward_inputs(config, input_ids, kwargs.get("attention_mask"), kwargs.get("token_types"),
                          kwargs.get("pixel_values"))
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if getattr(cache, "pending_replay", False):  # a restored prefix: the prompt must start with its saved tokens
+        cache.check_extends(input_ids)
