@@ -11,6 +11,7 @@ from .layer_view import DeepseekV41LayerView
 from .static import StaticDecodeMixin
 from .storage import Columns, Pool, Ring
 from .persistence import load_cache, save_cache
+from .row_indices import check_row_indices
 from ..config.layer_plan import LayerPlan
 from ..kernels.numerics import compute_dtype
 
@@ -241,6 +242,7 @@ class DeepseekV41Cache(KVAccessMixin, StaticDecodeMixin, Cache):
             return
         if self.is_static:
             raise ValueError("Cannot reorder a static cache's rows; call cache.end_static() first.")
+        check_row_indices(indices, self.lengths.shape[0])
         indices = indices.to(self.lengths.device)
         self.lengths = self.lengths.index_select(0, indices)
         self._history.select(indices)

@@ -1,9 +1,9 @@
 """The persistent prefix cache: a DeepseekV41Cache saved to disk and restored in another process.
 
 Only what the CED design keeps on SSD is stored: the packed global KV (compressed rows and index keys of every
-pool), the ratio-r carries and the token ids (from which the Engram history is rebuilt), with a format version, a
-model fingerprint and per-tensor checksums. Window KV is not stored: a restored cache rebuilds it by bounded replay of the last
-`sliding_window` tokens on its next forward (those tokens never rewrite the pools).
+pool), the ratio-r carries and the token ids (from which the Engram history is rebuilt), with a format version, the
+fingerprint of what they depend on (`fingerprint.py`) and one sha256 over header and payload. Window KV is not
+stored: a restored cache rebuilds it by bounded replay of the last `sliding_window` tokens on its next forward (those tokens never rewrite the pools).
 """
 
 from __future__ import annotations
@@ -16,24 +16,25 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save
 
+from .fingerprint import fingerprint, fingerprint_mismatch
 from ..layers.engram_hashing import DEAD
 
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"  # 2: fingerprint parts (weights, token map, config) and one checksum over header and payload
+_READ_ERRORS = (SafetensorError, OSError, ValueError, RuntimeError, KeyError, TypeError, OverflowError,
+                UnicodeDecodeError)  # what a corrupted file can raise while its header and tensors are read
 
 
-def model_fingerprint(model, signature: tuple) -> str:
-    """Identifies the model a cache belongs to: its schedule (the cache's `signature`) and a sample of its weights."""
-    digest = hashlib.sha256(repr(type(model).__name__).encode())
-    digest.update(repr(signature).encode())
-    for tensor in (model.embed.weight[:2], model.head.weight[:2], model.layers[0].attn.wq_a.weight[:2]):
-        digest.update(tensor.detach().float().cpu().numpy().tobytes())
+def content_checksum(metadata: dict[str, str], tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 over every header field but the checksum and every tensor's name, dtype, shape and bytes."""
+    digest = hashlib.sha256(json.dumps({k: v for k, v in metadata.items() if k != "checksum"},
+                                       sort_keys=True).encode())
+    for name in sorted(tensors):
+        tensor = tensors[name].contiguous()
+        digest.update(f"|{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
-
-
-def _checksum(tensor: torch.Tensor) -> str:
-    return hashlib.sha256(tensor.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def compressed_history(model, tokens: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
@@ -74,23 +75,32 @@ def save_cache(cache, path: str | os.PathLike, model) -> Path:
             tensors[f"pool.{source}.carry_kv"] = carry[0].contiguous()
             tensors[f"pool.{source}.carry_score"] = carry[1].contiguous()
     tensors = {name: t.detach().cpu() for name, t in tensors.items()}
-    metadata = {
-        "format_version": FORMAT_VERSION,
-        "fingerprint": model_fingerprint(model, cache.signature_of(model.config.text_config)),
-        "columns": str(cache.columns),
-        "checksums": json.dumps({name: _checksum(t) for name, t in tensors.items()}),
-    }
+    metadata = {"format_version": FORMAT_VERSION, "columns": str(cache.columns), **fingerprint(model)}
+    metadata["checksum"] = content_checksum(metadata, tensors)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    _write_atomically(path, tensors, metadata)
+    return path
+
+
+def _write_atomically(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """A reader sees the old file or the new one, never a partial one: write a temporary file in the same folder,
+    fsync it, rename it over `path`, fsync the folder."""
     handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
-    os.close(handle)
     try:
-        save_file(tensors, temporary, metadata=metadata)
+        with os.fdopen(handle, "wb") as stream:
+            stream.write(save(tensors, metadata=metadata))
+            stream.flush()
+            os.fsync(stream.fileno())
         os.replace(temporary, path)
     finally:
         if os.path.exists(temporary):
             os.unlink(temporary)
-    return path
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
 
 
 def load_cache(cache_class, path: str | os.PathLike, model, dspark: bool, crop_horizon: int):
@@ -99,22 +109,20 @@ def load_cache(cache_class, path: str | os.PathLike, model, dspark: bool, crop_h
     path = Path(path)
     try:
         with safe_open(path, framework="pt") as handle:
-            metadata = handle.metadata() or {}
+            metadata = dict(handle.metadata() or {})
             tensors = {name: handle.get_tensor(name) for name in handle.keys()}
-    except (SafetensorError, OSError, ValueError) as error:
+    except _READ_ERRORS as error:
         raise ValueError(f"{path} is not a readable saved cache (truncated or corrupted?): {error}") from error
     if metadata.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{path} has cache format {metadata.get('format_version')!r}; this code reads "
-                         f"{FORMAT_VERSION!r}.")
-    if metadata.get("fingerprint") != model_fingerprint(model, cache_class.signature_of(model.config.text_config)):
-        raise ValueError(f"{path} was saved from another model (its fingerprint differs from this model's); a "
-                         "prefix cache can only be restored into the model that wrote it.")
-    expected = json.loads(metadata.get("checksums", "{}"))
-    if set(expected) != set(tensors):
-        raise ValueError(f"{path} is corrupted: its tensors do not match its checksum list.")
-    for name, tensor in tensors.items():
-        if _checksum(tensor) != expected[name]:
-            raise ValueError(f"{path} is corrupted: tensor {name!r} fails its checksum.")
+                         f"{FORMAT_VERSION!r}: save the prefix again with this version.")
+    if metadata.get("checksum") != content_checksum(metadata, tensors):
+        raise ValueError(f"{path} is corrupted: its header or payload fails its checksum (sha256); save the prefix "
+                         "again.")
+    mismatch = fingerprint_mismatch(metadata, model)
+    if mismatch is not None:
+        raise ValueError(f"{path} was saved from another model: {mismatch}. A prefix cache can only be restored "
+                         "into the model (weights, tokenizer, config) that wrote it; save it again from this one.")
     cache = cache_class(model.config, crop_horizon=crop_horizon, dspark=dspark)
     device = model.embed.weight.device
     tokens = tensors["tokens"].to(device)

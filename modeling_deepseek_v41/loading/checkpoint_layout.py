@@ -46,6 +46,45 @@ def stored_tensors(held: dict[str, tuple[tuple[int, ...], torch.dtype]], hub_lay
     return expected
 
 
+def _parse_json(text: bytes | str, path: Path, what: str) -> dict:
+    """A JSON object read from `path`; a ValueError naming the file when it is not one."""
+    try:
+        parsed = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path}: {what} is not valid JSON ({error}); the file is corrupted: re-download or "
+                         "re-convert the checkpoint.") from error
+    if not isinstance(parsed, dict):
+        raise ValueError(f"{path}: {what} is JSON but not an object; the file is corrupted: re-download or "
+                         "re-convert the checkpoint.")
+    return parsed
+
+
+def read_weight_map(index: Path) -> dict[str, str]:
+    """The tensor -> shard map of a model.safetensors.index.json; a ValueError naming the file when unreadable."""
+    weight_map = _parse_json(index.read_text(errors="replace"), index, "the index").get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ValueError(f"{index} has no weight_map of tensor names to shard files; the index is corrupted: "
+                         "re-download it or delete it (the shards are then read directly).")
+    return weight_map
+
+
+def check_checkpoint_path(path) -> None:
+    """A local checkpoint path must be a folder: a file, or a local-looking path that does not exist, is refused
+    here rather than being tried as a hub repository id. "org/name" ids that are not local folders go to the hub."""
+    if not isinstance(path, (str, os.PathLike)):
+        return
+    local = Path(path).expanduser()
+    if local.is_file():
+        raise ValueError(f"{path} is a file; from_pretrained needs the checkpoint folder that holds config.json "
+                         f"and the .safetensors files (perhaps {local.parent}).")
+    text = os.fspath(path)
+    looks_local = (not isinstance(path, str) or text.startswith((os.sep, ".", "~")) or text.count("/") > 1
+                   or (os.altsep is not None and os.altsep in text))
+    if looks_local and not local.exists():
+        raise ValueError(f"The checkpoint folder {path} does not exist; check the path (a hub repository id has "
+                         "the form 'org/name').")
+
+
 def safetensors_header(path: str | os.PathLike) -> tuple[int, dict]:
     """(header length, header) of one safetensors file, `__metadata__` removed; a clear error if truncated."""
     path = Path(path)
@@ -57,8 +96,11 @@ def safetensors_header(path: str | os.PathLike) -> tuple[int, dict]:
         header_len = struct.unpack("<Q", prefix)[0]
         if 8 + header_len > size:
             raise ValueError(f"{path.name} is truncated: its header says {header_len} bytes, the file is shorter.")
-        header = json.loads(handle.read(header_len))
+        header = _parse_json(handle.read(header_len), path, "its safetensors header")
     header.pop("__metadata__", None)
+    if not all(isinstance(info, dict) and len(info.get("data_offsets", ())) == 2 for info in header.values()):
+        raise ValueError(f"{path} has a malformed safetensors header (a tensor entry without data_offsets); the "
+                         "file is corrupted: re-download or re-convert it.")
     end = max((info["data_offsets"][1] for info in header.values()), default=0)
     if 8 + header_len + end > size:
         raise ValueError(
@@ -78,7 +120,7 @@ def checkpoint_files(folder: str | os.PathLike) -> list[Path]:
     folder = Path(folder)
     index = folder / "model.safetensors.index.json"
     if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        shards = sorted(set(read_weight_map(index).values()))
         missing = [s for s in shards if not (folder / s).exists()]
         if missing:
             raise ValueError(f"Checkpoint shard(s) listed in {index.name} are missing from {folder}: {missing}")
@@ -150,5 +192,5 @@ def checkpoint_has_prefix(folder: str | os.PathLike, prefix: str) -> bool:
     """Whether any tensor of a local checkpoint folder starts with `prefix` (from the index or the headers)."""
     index = Path(folder) / "model.safetensors.index.json"
     if index.exists():
-        return any(name.startswith(prefix) for name in json.loads(index.read_text())["weight_map"])
+        return any(name.startswith(prefix) for name in read_weight_map(index))
     return any(name.startswith(prefix) for path in checkpoint_files(folder) for name in read_safetensors_header(path))

@@ -23,6 +23,7 @@ from ..layers.vision import DeepseekV41VisionAligner, DeepseekV41VisionTower
 from .backbone import DeepseekV41BackboneMixin
 from .dspark import feed_dspark_rings
 from .generation import DeepseekV41GenerationMixin
+from .inputs import check_forward_inputs
 from .pretrained import DeepseekV41PreTrainedModel
 
 
@@ -107,6 +108,7 @@ class DeepseekV41ForCausalLM(DeepseekV41BackboneMixin, DeepseekV41GenerationMixi
     ) -> DeepseekV41CausalLMOutput:
         """Logits for every position (or the last `logits_to_keep`), a shifted cross-entropy loss with `labels`,
         and router logits with `output_router_logits`. `token_types` (-1 text, >= 0 image span) marks image spans."""
+        check_forward_inputs(self.config, input_ids, attention_mask, token_types, pixel_values, cache, past_key_values)
         if input_ids is None:
             raise ValueError("DeepseekV41ForCausalLM needs input_ids: the Engram hash is computed from token ids.")
         cache = cache if cache is not None else past_key_values

@@ -17,6 +17,8 @@ from transformers import GenerationMixin
 from ..cache.cache import DeepseekV41Cache
 from ..cache.graph_decoder import GenerationGraphs, check_graph_decoding
 from .dspark import DSparkCandidateGenerator, dspark_generation_config
+from .inputs import check_generate_inputs
+from .invalid_logits import with_invalid_logits_check
 
 SUPPORTED_CACHE_IMPLEMENTATIONS = (None, "dynamic", "static")
 
@@ -33,6 +35,8 @@ class GenerationRun:
 class DeepseekV41GenerationMixin(GenerationMixin):
     """transformers' generation with this model's cache, drafter and graph decoder."""
 
+    _get_logits_processor = with_invalid_logits_check(GenerationMixin._get_logits_processor)
+
     @property
     def has_dspark(self) -> bool:
         """Whether the DSpark drafter's weights (`mtp.*`) are part of this model."""
@@ -45,6 +49,7 @@ class DeepseekV41GenerationMixin(GenerationMixin):
         device; not with DSpark or beam search). Pass a dict as `generation_stats` to get the call's measured
         speed, cache size and draft acceptance in it. `cache_implementation`: None or "dynamic" (the model's own
         growing DeepseekV41Cache) or "static" (the same as `cuda_graphs=True`); others are refused."""
+        check_generate_inputs(self.config, args, kwargs)
         implementation = kwargs.pop("cache_implementation", None)
         use_dspark = kwargs.pop("use_dspark", None)
         threshold = kwargs.pop("dspark_confidence_threshold", None)

@@ -19,6 +19,7 @@ from ..layers.engram import DeepseekV41Engram, DeepseekV41EngramTable
 from ..loading import loader
 from ..loading.checkpoint_layout import checkpoint_has_prefix
 from ..loading.tensor_parallel import localize_parameters, register_parallel_styles
+from ..loading.weight_checks import with_load_checks
 
 logger = logging.get_logger(__name__)
 
@@ -79,6 +80,7 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
 
     # -- loading ---------------------------------------------------------------------------------------------
     @classmethod
+    @with_load_checks
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
         """transformers' loader, plus what the hub checkpoint needs: a checkpoint without the DSpark drafter loads
         without it, the checkpoint is checked against the built model before any weight is read, the CSA2-aware

@@ -1,0 +1,61 @@
+"""The finiteness check of loaded weights and scales: a NaN or Inf in a floating weight, an FP8 e4m3 NaN code or
+an E8M0 scale byte 0xFF (NaN) is reported by tensor name right after loading, instead of turning every logit into
+NaN later. On by default; `from_pretrained(..., check_finite=False)` skips it."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .checkpoint_layout import check_checkpoint_path
+
+CHECK_CHUNK = 1 << 26  # elements reduced at once: bounds the temporary mask of one large expert tensor
+
+
+def _invalid_values(tensor: torch.Tensor) -> torch.Tensor:
+    """Whether `tensor` holds a value that is not a finite number, as a bool on the tensor's device. One reduction
+    pass per chunk (aminmax propagates NaN and keeps Inf; it was ~25x faster than isfinite on bf16 on CPU)."""
+    flat = tensor.detach().reshape(-1)
+    if tensor.dtype == torch.float8_e8m0fnu:  # 0xFF is the only NaN code and the largest byte
+        return torch.stack([part.view(torch.uint8).amax() == 0xFF for part in flat.split(CHECK_CHUNK)]).any()
+    if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # NaN (and e5m2 Inf) codes: the top magnitudes
+        top = 0x7F if tensor.dtype == torch.float8_e4m3fn else 0x7C
+        return torch.stack([(part.view(torch.uint8) & 0x7F).amax() >= top for part in flat.split(CHECK_CHUNK)]).any()
+    return ~torch.stack([torch.stack(torch.aminmax(part)).isfinite().all() for part in flat.split(CHECK_CHUNK)]).all()
+
+
+def check_finite_weights(model) -> None:
+    """Raise ValueError naming the first parameter or buffer that holds a non-finite value (one host read per
+    device)."""
+    tensors = [(name, t) for name, t in (*model.named_parameters(), *model.named_buffers())
+               if t.is_floating_point() and t.device.type != "meta" and t.numel() > 0]
+    by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+    for name, tensor in tensors:
+        by_device.setdefault(tensor.device, []).append((name, _invalid_values(tensor)))
+    for flags in by_device.values():
+        invalid = torch.stack([flag for _, flag in flags]).cpu()
+        if bool(invalid.any()):
+            name = flags[int(invalid.nonzero()[0])][0]
+            tensor = dict(tensors)[name]
+            kind = "an E8M0 scale byte 0xFF (NaN)" if tensor.dtype == torch.float8_e8m0fnu else "NaN or Inf values"
+            raise ValueError(
+                f"The loaded weight {name!r} ({tensor.dtype}, shape {tuple(tensor.shape)}) holds {kind}: the "
+                "checkpoint is corrupted or was converted from non-finite weights. Re-download or re-convert it; "
+                "pass check_finite=False to from_pretrained to load it anyway."
+            )
+
+
+def with_load_checks(from_pretrained):
+    """Wrap a from_pretrained: a local path must be a folder (checked first), and the loaded weights are checked
+    for finiteness unless `check_finite=False`."""
+
+    @functools.wraps(from_pretrained)
+    def wrapped(cls, pretrained_model_name_or_path, *args, check_finite: bool = True, **kwargs):
+        check_checkpoint_path(pretrained_model_name_or_path)
+        loaded = from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs)
+        if check_finite:
+            check_finite_weights(loaded[0] if isinstance(loaded, tuple) else loaded)
+        return loaded
+
+    return wrapped

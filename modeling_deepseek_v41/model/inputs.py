@@ -1,0 +1,70 @@
+"""Validation of a forward's inputs, before any work: each problem a ValueError that names it and the fix.
+
+Shape and dtype checks cost nothing. Checks that read tensor values (id range, all-masked rows, image spans) run
+when the tensors are on the CPU or the forward processes more than one token; a one-token decode step on an
+accelerator skips them, so it keeps running without a host sync (its id comes from the model's own logits).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _reads_values(input_ids: torch.Tensor) -> bool:
+    return input_ids.device.type == "cpu" or input_ids.shape[1] > 1
+
+
+def check_forward_inputs(config, input_ids, attention_mask=None, token_types=None, pixel_values=None, cache=None,
+                         past_key_values=None) -> None:
+    """Refuse inputs the forward cannot run correctly on. `cache` (or `past_key_values`) is the forward's cache."""
+    cache = cache if cache is not None else past_key_values
+    if input_ids is None:
+        raise ValueError("DeepseekV41ForCausalLM needs input_ids: the Engram hash is computed from token ids.")
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+        kind = input_ids.dtype if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise ValueError(f"input_ids must be an integer tensor of token ids, got {kind}; pass a LongTensor "
+                         "(e.g. from the tokenizer with return_tensors='pt').")
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must have shape [batch, sequence], got {tuple(input_ids.shape)}; add the batch "
+                         "dimension with input_ids.unsqueeze(0).")
+    batch, seq = input_ids.shape
+    if input_ids.numel() == 0:
+        raise ValueError(f"input_ids is empty (shape {tuple(input_ids.shape)}); pass at least one token per row.")
+    vocab = config.get_text_config().vocab_size
+    reads = _reads_values(input_ids)
+    if reads:
+        low, high = int(input_ids.min()), int(input_ids.max())
+        if low < 0 or high >= vocab:
+            raise ValueError(f"input_ids holds token id {low if low < 0 else high}, outside the vocabulary "
+                             f"[0, {vocab - 1}]; check the tokenizer matches this checkpoint.")
+    if attention_mask is not None:
+        past = getattr(cache, "columns", 0)
+        if attention_mask.dim() != 2 or attention_mask.shape[0] != batch:
+            raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids has "
+                             f"{tuple(input_ids.shape)}: the mask needs one row per input row ([{batch}, columns]).")
+        if attention_mask.shape[1] not in (seq, past + seq):
+            expected = f"{seq}" if past == 0 else f"{seq} (the new tokens) or {past + seq} (cache and new tokens)"
+            raise ValueError(f"attention_mask covers {attention_mask.shape[1]} columns, but the input has {seq} "
+                             f"tokens after {past} cached ones: pass a mask of {expected} columns.")
+        if reads and attention_mask.shape[1] == past + seq and bool((attention_mask == 0).all(dim=1).any()):
+            row = int((attention_mask == 0).all(dim=1).nonzero()[0])
+            raise ValueError(f"attention_mask row {row} masks every token: a row needs at least one real token "
+                             "(drop the row, or set its mask to 1 where it has tokens).")
+    # generate() passes the prompt's token_types on to later steps; only those of this chunk are checked
+    if token_types is not None and tuple(token_types.shape) == (batch, seq):
+        if pixel_values is None and reads and bool((token_types >= 0).any()):
+            raise ValueError("token_types marks an image span but no pixel_values were given; pass the processor's "
+                             "pixel_values and image_grids, or token_types of -1 for text-only input.")
+
+
+def check_generate_inputs(config, args: tuple, kwargs: dict) -> None:
+    """generate()'s prompt, checked like a forward's input before transformers prepares anything (a prompt's mask
+    covers exactly its ids, even with a restored cache)."""
+    input_ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+    if input_ids is None:
+        return  # transformers builds a prompt from the BOS token or reports the missing input itself
+    check_forward_inputs(config, input_ids, kwargs.get("attention_mask"), kwargs.get("token_types"),
+                         kwargs.get("pixel_values"))
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if getattr(cache, "pending_replay", False):  # a restored prefix: the prompt must start with its saved tokens
+        cache.check_extends(input_ids)

@@ -1,0 +1,43 @@
+"""generate() stops with an error when a row's logits are all NaN, instead of emitting token 0 forever.
+
+The check runs first among the logits processors, before transformers' own ones: `remove_invalid_values=True`
+would otherwise turn the NaNs into zeros and hide them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from transformers import LogitsProcessor
+
+
+class InvalidLogitsError(FloatingPointError):
+    """The model produced no usable logits (every value NaN) for some row."""
+
+
+class StopOnInvalidLogits(LogitsProcessor):
+    """Raises InvalidLogitsError when every logit of a row is NaN (one host read per step)."""
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        invalid = torch.isnan(scores).all(dim=-1)
+        if bool(invalid.any()):
+            row = int(invalid.nonzero()[0])
+            raise InvalidLogitsError(
+                f"generate() stopped: every logit of row {row} is NaN after {input_ids.shape[1]} tokens, so no "
+                "token can be chosen. The weights or the input are broken: load with check_finite=True (the "
+                "default) to find a non-finite weight, and check the dtype and device placement."
+            )
+        return scores
+
+
+def with_invalid_logits_check(get_logits_processor):
+    """Wrap GenerationMixin._get_logits_processor so its list starts with StopOnInvalidLogits."""
+
+    @functools.wraps(get_logits_processor)
+    def wrapped(self, *args, **kwargs):
+        processors = get_logits_processor(self, *args, **kwargs)
+        processors.insert(0, StopOnInvalidLogits())
+        return processors
+
+    return wrapped
