@@ -27,7 +27,8 @@ def model_fingerprint(model, signature: tuple) -> str:
     """Identifies the model a cache belongs to: its schedule (the cache's `signature`) and a sample of its weights."""
     digest = hashlib.sha256(repr(type(model).__name__).encode())
     digest.update(repr(signature).encode())
-    for tensor in (model.embed.weight[:2], model.head.weight[:2], model.layers[0].attn.wq_a.weight[:2]):
+    for tensor in (model.get_input_embeddings().weight[:2], model.get_output_embeddings().weight[:2],
+                   model.base_model.layers[0].attn.wq_a.weight[:2]):
         digest.update(tensor.detach().float().cpu().numpy().tobytes())
     return digest.hexdigest()
 
@@ -41,7 +42,7 @@ def compressed_history(model, tokens: torch.Tensor, real: torch.Tensor) -> torch
     if not hasattr(model, "engram_token_map"):
         return torch.full_like(tokens, DEAD)
     dead = ~real | (tokens == model.config.image_token_id)
-    return model.engram_token_map[tokens].masked_fill(dead, DEAD)
+    return model.base_model.engram_token_map[tokens].masked_fill(dead, DEAD)
 
 
 def save_cache(cache, path: str | os.PathLike, model) -> Path:
@@ -116,9 +117,9 @@ def load_cache(cache_class, path: str | os.PathLike, model, dspark: bool, crop_h
         if _checksum(tensor) != expected[name]:
             raise ValueError(f"{path} is corrupted: tensor {name!r} fails its checksum.")
     cache = cache_class(model.config, crop_horizon=crop_horizon, dspark=dspark)
-    device = model.embed.weight.device
+    device = model.get_input_embeddings().weight.device
     tokens = tensors["tokens"].to(device)
-    cache._allocate(tokens.shape[0], device, model.embed.weight.dtype)
+    cache._allocate(tokens.shape[0], device, model.get_input_embeddings().weight.dtype)
     cache.columns = int(metadata["columns"])
     real = tensors["real"].to(device).bool()
     tokens = tokens.long()
