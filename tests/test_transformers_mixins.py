@@ -1,7 +1,10 @@
 """transformers 5.24.0's common model and config test mixins (`ModelTesterMixin`, `ConfigTester`), fetched from its
 source distribution by `transformers_tests.py`, run against a tiny random DeepSeek-V4.1 (no Engram layers and no
 drafter, so that `inputs_embeds` alone and the generic resize checks apply). Inapplicable tests are listed, each with
-its reason, in `transformers_tests.SKIPPED["ModelTesterMixin"]`."""
+its reason, in `transformers_tests.SKIPPED["ModelTesterMixin"]`.
+
+State when written (17:45 UTC, `python -m pytest tests/test_transformers_mixins.py`): 20 failed, 70 passed, 93 skipped
+by the mixins' own conditions, 8 min 22 s on 2 busy cores; the failures are not yet triaged (see the helper report)."""
 
 from __future__ import annotations
 
