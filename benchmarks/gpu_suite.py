@@ -59,7 +59,7 @@ def build_model(config: DeepseekV41Config, device: str) -> DeepseekV41ForCausalL
         for name, param in model.named_parameters():
             if param.dim() >= 2:
                 param.normal_(0, param.shape[-1] ** -0.5)
-        model.engram_token_map.copy_(torch.arange(text.vocab_size, device=device) % text.engram_compressed_vocab_size)
+        model.model.engram_token_map.copy_(torch.arange(text.vocab_size, device=device) % text.engram_compressed_vocab_size)
     return model
 
 

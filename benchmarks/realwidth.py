@@ -61,7 +61,7 @@ def build(config: DeepseekV41Config) -> DeepseekV41ForCausalLM:
     text = config.text_config
     with torch.no_grad():
         if hasattr(model, "engram_token_map"):
-            model.engram_token_map.copy_(torch.arange(text.vocab_size, device="cuda")
+            model.model.engram_token_map.copy_(torch.arange(text.vocab_size, device="cuda")
                                          % text.engram_compressed_vocab_size)
     return model
 

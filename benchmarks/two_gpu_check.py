@@ -78,7 +78,7 @@ def tp_worker(folder: str, out: str) -> None:
     for name, path, kwargs in (("quantized", str(FIXTURE), {}), ("float64", folder, {"dtype": torch.float64})):
         model = load(path, tp_plan="auto", **kwargs)
         results[name] = outputs(model, model.device)
-        results[name + "_layout"] = (model.layers[1].attn.n_heads, model.layers[1].ffn.expert_range, str(model.device))
+        results[name + "_layout"] = (model.model.layers[1].attn.n_heads, model.model.layers[1].ffn.expert_range, str(model.device))
     if rank == 0:
         torch.save(results, out)
     torch.distributed.barrier()

@@ -1,9 +1,11 @@
 """DeepSeek-V4.1-Flash for Hugging Face Transformers. Importing this package registers it with the Auto classes."""
 
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText
 
 from .config.configuration_deepseek_v41 import DeepseekV41Config, DeepseekV41TextConfig, DeepseekV41VisionConfig
 from .config.layer_plan import LayerPlan, LayerSpec
+from .loading.loader import register_hub_names
+from .model.backbone import DeepseekV41Model, DeepseekV41ModelOutput
 from .model.causal_lm import DeepseekV41ForCausalLM
 from .model.pretrained import DeepseekV41PreTrainedModel
 
@@ -11,7 +13,9 @@ from .model.pretrained import DeepseekV41PreTrainedModel
 def _register() -> None:
     for config_class in (DeepseekV41Config, DeepseekV41TextConfig, DeepseekV41VisionConfig):
         AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
+    AutoModel.register(DeepseekV41Config, DeepseekV41Model, exist_ok=True)
     AutoModelForCausalLM.register(DeepseekV41Config, DeepseekV41ForCausalLM, exist_ok=True)
+    register_hub_names(DeepseekV41ForCausalLM.__name__)  # the hub's flat tensor names stay on disk
     AutoModelForImageTextToText.register(DeepseekV41Config, DeepseekV41ForCausalLM, exist_ok=True)
     try:  # the processors live in the sibling `processing` package, absent from a remote-code checkpoint
         from processing import register_processing
@@ -27,6 +31,8 @@ __all__ = [
     "DeepseekV41TextConfig",
     "DeepseekV41VisionConfig",
     "DeepseekV41ForCausalLM",
+    "DeepseekV41Model",
+    "DeepseekV41ModelOutput",
     "DeepseekV41PreTrainedModel",
     "LayerPlan",
     "LayerSpec",

@@ -66,5 +66,5 @@ def random_model(config: DeepseekV41Config | None = None, dtype: torch.dtype = t
                 param.normal_(0, param.shape[-1] ** -0.5 if param.dim() >= 2 else 0.5)
         text = model.config.text_config
         vocab = torch.arange(text.vocab_size)
-        model.engram_token_map.copy_(vocab % text.engram_compressed_vocab_size)
+        model.model.engram_token_map.copy_(vocab % text.engram_compressed_vocab_size)
     return model.to(dtype)

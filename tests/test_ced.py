@@ -35,24 +35,24 @@ def _bounded_by_hand(model, ids: torch.Tensor) -> torch.Tensor:
     sequence for the windows."""
     text = model.config.text_config
     decoder, replay = model.plan.decoder_start, text.sliding_window
-    context = model.prepare_context(ids)
-    streams = model.embed(ids).unsqueeze(2).repeat(1, 1, text.hc_mult, 1)
+    context = model.model.prepare_context(ids)
+    streams = model.model.embed(ids).unsqueeze(2).repeat(1, 1, text.hc_mult, 1)
     pre_mix = torch.zeros(*streams.shape[:3], dtype=streams.dtype)
     pre_mix[..., 0] = 1.0
     for index in range(decoder):
-        streams = model.apply_engram(index, streams, context)
-        streams, pre_mix, _, _ = model.layer_step(index, streams, pre_mix, context)
-    spec = model.layers[decoder].spec
-    model.layers[decoder].compress_only(streams, pre_mix, context.positions,
+        streams = model.model.apply_engram(index, streams, context)
+        streams, pre_mix, _, _ = model.model.layer_step(index, streams, pre_mix, context)
+    spec = model.model.layers[decoder].spec
+    model.model.layers[decoder].compress_only(streams, pre_mix, context.positions,
                                         context.rotations[(spec.rope_theta, spec.use_yarn)][1], context.share)
     tail = context.tail(replay)
     tail.share.pool_ready.add(decoder)
     tail.share.window_floor = tail.positions[:, 0]
     streams, pre_mix = streams[:, -replay:], pre_mix[:, -replay:]
-    for index in range(decoder, len(model.layers)):
-        streams = model.apply_engram(index, streams, tail)
-        streams, pre_mix, _, _ = model.layer_step(index, streams, pre_mix, tail)
-    return model.head(model.norm(hc_collapse(streams, pre_mix)))
+    for index in range(decoder, len(model.model.layers)):
+        streams = model.model.apply_engram(index, streams, tail)
+        streams, pre_mix, _, _ = model.model.layer_step(index, streams, pre_mix, tail)
+    return model.lm_head(model.model.norm(hc_collapse(streams, pre_mix)))
 
 
 def test_bounded_replay_equals_the_rule_built_by_hand():

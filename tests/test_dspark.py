@@ -77,7 +77,7 @@ def _tiny_vocab_model():
     config.image_token_id = 22
     model = random_model(config, dtype=torch.float64, seed=13)
     with torch.no_grad():  # sharpen the distributions so that drafts are sometimes accepted, sometimes not
-        model.head.weight.mul_(3.0)
+        model.lm_head.weight.mul_(3.0)
     model.generation_config.eos_token_id = None  # every sample has two tokens
     return model
 
@@ -144,8 +144,8 @@ def test_drafter_weights_are_loaded():
     model, info = AutoModelForCausalLM.from_pretrained(FIXTURES / "tiny-text" / "checkpoint",
                                                        output_loading_info=True)
     assert model.has_dspark and not info["missing_keys"]
-    assert model.mtp[0].main_proj.weight.dtype == torch.float8_e4m3fn
-    assert model.mtp[-1].markov_head.head.weight.dtype == torch.float32
+    assert model.model.mtp[0].main_proj.weight.dtype == torch.float8_e4m3fn
+    assert model.model.mtp[-1].markov_head.head.weight.dtype == torch.float32
 
 
 def test_use_dspark_from_the_checkpoint_generation_config(tmp_path):

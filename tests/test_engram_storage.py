@@ -31,14 +31,14 @@ def test_off_device_tables_give_the_same_lookups_and_logits(device_model, storag
     assert not info["unexpected_keys"] and not info["missing_keys"]
     ids = torch.randint(3, 500, (2, 41), generator=torch.Generator().manual_seed(3))
     for layer in (1, 3):
-        table = model.layers[layer].engram.embed
+        table = model.model.layers[layer].engram.embed
         assert isinstance(table, DeepseekV41ExternalEngramTable) and table.external.storage == storage
         rows = torch.randint(0, table.rows, (3, 17, 6), generator=torch.Generator().manual_seed(layer))
-        assert torch.equal(table(rows), device_model.layers[layer].engram.embed(rows))
+        assert torch.equal(table(rows), device_model.model.layers[layer].engram.embed(rows))
     with torch.no_grad():
         assert torch.equal(model(ids).logits, device_model(ids).logits)
     # the forward issued every table's gather before the first layer, and each layer used it
-    assert [model.layers[i].engram.embed.prefetch_hits for i in (1, 3)] == [1, 1]
+    assert [model.model.layers[i].engram.embed.prefetch_hits for i in (1, 3)] == [1, 1]
 
 
 def _rss_kib(field: str) -> int:

@@ -21,7 +21,7 @@ def unbalanced_vision_model():
     """Text routing pushed toward experts 0-1, image routing toward the last two experts."""
     model = random_model(tiny_config(vision=True), dtype=torch.float32).train()
     with torch.no_grad():
-        for layer in model.layers:
+        for layer in model.model.layers:
             gate = layer.ffn.gate
             gate.bias.zero_()
             gate.bias[:2] = 0.3
@@ -31,7 +31,7 @@ def unbalanced_vision_model():
 
 
 def gates(model):
-    return [layer.ffn.gate for layer in model.layers]
+    return [layer.ffn.gate for layer in model.model.layers]
 
 
 def run_batches(model, balancer, image_slots: slice | None, steps: int) -> list[dict[str, float]]:
@@ -146,7 +146,7 @@ def test_balance_loss_joins_the_training_loss():
     torch.testing.assert_close(with_balance, plain + balancer.last_balance_loss)
     assert 0.5e-4 < balancer.last_balance_loss.item() < 10e-4
     with_balance.backward()
-    assert model.layers[0].ffn.gate.weight.grad.abs().sum() > 0
+    assert model.model.layers[0].ffn.gate.weight.grad.abs().sum() > 0
 
 
 def test_trainer_callback_moves_biases(tmp_path):
@@ -159,8 +159,8 @@ def test_trainer_callback_moves_biases(tmp_path):
     args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4,
                              learning_rate=1e-4, report_to=[], save_strategy="no", use_cpu=True)
     callback = ExpertBalanceCallback()
-    before = model.layers[0].ffn.gate.bias.clone()
+    before = model.model.layers[0].ffn.gate.bias.clone()
     Trainer(model=model, args=args, train_dataset=data, callbacks=[callback]).train()
-    moved = model.layers[0].ffn.gate.bias - before
+    moved = model.model.layers[0].ffn.gate.bias - before
     assert moved.abs().max().item() == pytest.approx(2e-3, rel=1e-4)  # two optimizer steps of 0.001
     assert callback.balancer is not None and not callback.balancer._handles

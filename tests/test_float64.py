@@ -50,7 +50,7 @@ def test_loss_and_router_logits():
     assert len(out.router_logits) == text.num_hidden_layers
     assert out.router_logits[0].shape == (2 * 12, text.n_routed_experts)
     out.loss.backward()
-    assert model.layers[1].attn.wq_a.weight.grad is not None
+    assert model.model.layers[1].attn.wq_a.weight.grad is not None
 
 
 def test_bf16_weight_mode_random_model_runs():

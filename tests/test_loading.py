@@ -39,20 +39,20 @@ def _edit_shard(folder, edit):
 def test_loads_as_shipped_without_missing_or_unexpected_keys():
     model, info = AutoModelForCausalLM.from_pretrained(CHECKPOINT, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
-    assert model.layers[1].attn.wq_a.weight.dtype == torch.float8_e4m3fn
-    assert model.layers[1].ffn.experts[0].w1.weight.dtype == torch.int8
-    assert model.head.weight.dtype == torch.float32
-    assert bool((model.engram_token_map >= 0).all())
+    assert model.model.layers[1].attn.wq_a.weight.dtype == torch.float8_e4m3fn
+    assert model.model.layers[1].ffn.experts[0].w1.weight.dtype == torch.int8
+    assert model.lm_head.weight.dtype == torch.float32
+    assert bool((model.model.engram_token_map >= 0).all())
 
 
 def test_bf16_weight_mode_dequantizes_exactly():
     quantized = AutoModelForCausalLM.from_pretrained(CHECKPOINT)
     dense = AutoModelForCausalLM.from_pretrained(CHECKPOINT, weight_mode="bf16")
     assert dense.config.weight_mode == "bf16" and dense.config.checkpoint_quantization is None
-    assert dense.layers[1].attn.wq_a.weight.dtype == torch.bfloat16 and dense.layers[1].attn.wq_a.scale is None
-    assert torch.equal(dense.layers[1].attn.wq_a.weight.float(), quantized.layers[1].attn.wq_a.dense_weight())
-    assert torch.equal(dense.layers[1].ffn.experts[3].w2.weight.float(),
-                       quantized.layers[1].ffn.experts[3].w2.dense_weight())
+    assert dense.model.layers[1].attn.wq_a.weight.dtype == torch.bfloat16 and dense.model.layers[1].attn.wq_a.scale is None
+    assert torch.equal(dense.model.layers[1].attn.wq_a.weight.float(), quantized.model.layers[1].attn.wq_a.dense_weight())
+    assert torch.equal(dense.model.layers[1].ffn.experts[3].w2.weight.float(),
+                       quantized.model.layers[1].ffn.experts[3].w2.dense_weight())
     ids = load_case(str(FIXTURES / "tiny-text")).inputs["input_ids"]
     with torch.no_grad():
         logits = dense(ids).logits
@@ -64,7 +64,7 @@ def test_save_pretrained_round_trip_keeps_logits(tmp_path):
     model.save_pretrained(tmp_path / "saved")
     assert not (tmp_path / "saved" / "tokenizer.json").exists()  # the token map travels with the weights
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
-    assert torch.equal(reloaded.engram_token_map, model.engram_token_map)
+    assert torch.equal(reloaded.model.engram_token_map, model.model.engram_token_map)
     ids = load_case(str(FIXTURES / "tiny-text")).inputs["input_ids"][:, :40]
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, model(ids).logits)

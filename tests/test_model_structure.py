@@ -56,8 +56,8 @@ def test_released_checkpoint_inventory(released_config):
 
 
 def test_released_held_dtypes(released_model):
-    assert released_model.head.weight.dtype == torch.float32
-    assert released_model.layers[2].attn.compressor.wkv.weight.dtype == torch.float32
-    assert released_model.layers[20].attn.compressor.wkv.weight.dtype == torch.bfloat16
-    assert released_model.layers[5].attn.wo_a.weight.dtype == torch.float8_e4m3fn
-    assert released_model.vision.norm.weight.dtype == torch.float32
+    assert released_model.lm_head.weight.dtype == torch.float32
+    assert released_model.model.layers[2].attn.compressor.wkv.weight.dtype == torch.float32
+    assert released_model.model.layers[20].attn.compressor.wkv.weight.dtype == torch.bfloat16
+    assert released_model.model.layers[5].attn.wo_a.weight.dtype == torch.float8_e4m3fn
+    assert released_model.model.vision.norm.weight.dtype == torch.float32

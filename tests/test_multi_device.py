@@ -35,10 +35,10 @@ def plain_outputs():
 
 def _block_map(model) -> dict[str, str]:
     """accelerate's usual shape: whole blocks, the first half on the CPU and the rest offloaded to disk."""
-    half = len(model.layers) // 2
-    device_map = {name: "cpu" for name in ("embed", "norm", "head", "engram_token_map")}
-    device_map.update({f"layers.{i}": "cpu" if i < half else "disk" for i in range(len(model.layers))})
-    device_map.update({f"mtp.{i}": "disk" for i in range(len(model.mtp))})
+    half = len(model.model.layers) // 2
+    device_map = {name: "cpu" for name in ("model.embed", "model.norm", "lm_head", "model.engram_token_map")}
+    device_map.update({f"model.layers.{i}": "cpu" if i < half else "disk" for i in range(len(model.model.layers))})
+    device_map.update({f"model.mtp.{i}": "disk" for i in range(len(model.model.mtp))})
     return device_map
 
 
@@ -58,7 +58,7 @@ def test_moe_layers_offloaded_to_disk_give_the_same_logits(plain_outputs, tmp_pa
         skeleton = DeepseekV41ForCausalLM(DeepseekV41Config.from_pretrained(CHECKPOINT))
     main = sum(t.nbytes for t in skeleton.state_dict().values()) - sum(
         module_bytes(dict(skeleton.named_modules())[u]) for u in spread_units(skeleton))
-    device_map = deepseek_device_map(skeleton, {"cpu": (main + 3 * module_bytes(skeleton.layers[0].ffn)) / 0.85})
+    device_map = deepseek_device_map(skeleton, {"cpu": (main + 3 * module_bytes(skeleton.model.layers[0].ffn)) / 0.85})
     placed = {device_map[u] for u in spread_units(skeleton)}
     assert placed == {"cpu", "disk"}
     model = AutoModelForCausalLM.from_pretrained(CHECKPOINT, device_map=device_map, offload_folder=str(tmp_path))
@@ -89,7 +89,7 @@ def test_released_model_on_8_h200(released_skeleton):
     assert sum(totals.values()) == sum(t.nbytes for t in released_skeleton.state_dict().values())
     assert totals[0] <= 139 * GIB * 0.85 and all(v <= 139 * GIB for v in totals.values())
     assert attention_side_devices(released_skeleton, device_map) == {0}
-    assert all(device_map[f"layers.{i}.ffn"] in range(8) for i in range(40))
+    assert all(device_map[f"model.layers.{i}.ffn"] in range(8) for i in range(40))
 
 
 def test_released_model_on_8_h100_offloads_only_the_engram_tables(released_skeleton):
@@ -97,10 +97,10 @@ def test_released_model_on_8_h100_offloads_only_the_engram_tables(released_skele
     engram_storage="host"/"mmap" there); all MoE layers fit on the GPUs."""
     device_map = deepseek_device_map(released_skeleton, {i: 80 * 10**9 for i in range(8)})
     assert {u for u in spread_units(released_skeleton) if device_map[u] == "disk"} == {
-        "layers.1.engram.embed", "layers.14.engram.embed"}
+        "model.layers.1.engram.embed", "model.layers.14.engram.embed"}
 
 
 def test_a_map_splitting_attention_over_gpus_is_refused(released_skeleton):
-    device_map = {"layers.0": 0, "layers.1": 1}
+    device_map = {"model.layers.0": 0, "model.layers.1": 1}
     with pytest.raises(ValueError, match="attention layers on several devices"):
         check_device_map(released_skeleton, device_map)

@@ -46,7 +46,7 @@ def test_zero_block_stays_zero():
 def test_headwise_update_is_orthogonal_per_head(vision_model):
     """A query projection's update: every head block has singular values 0.18*sqrt(max(block)) (RMS 0.18), and it
     is not the whole-matrix orthogonalisation."""
-    attn = vision_model.layers[0].attn
+    attn = vision_model.model.layers[0].attn
     weight = attn.wq_b.weight.detach().clone()
     rules = parameter_rules(vision_model)
     block = rules["layers.0.attn.wq_b.weight"].block_rows
@@ -214,10 +214,10 @@ def test_trainer_runs_with_the_recipe(tmp_path):
     data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, vocab, (8, 16), generator=generator)]
     args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4,
                              learning_rate=1e-3, report_to=[], save_strategy="no", use_cpu=True, logging_steps=1)
-    before = model.layers[0].attn.wq_b.weight.detach().clone()
+    before = model.model.layers[0].attn.wq_b.weight.detach().clone()
     trainer = Trainer(model=model, args=args, train_dataset=data, optimizers=(create_optimizer(model, args), None))
     trainer.train()
-    assert not torch.equal(before, model.layers[0].attn.wq_b.weight)
+    assert not torch.equal(before, model.model.layers[0].attn.wq_b.weight)
     assert all(math.isfinite(entry["loss"]) for entry in trainer.state.log_history if "loss" in entry)
     factory_trainer = Trainer(model=model, args=args, train_dataset=data,
                               optimizer_cls_and_kwargs=(RecipeOptimizerFactory, {"lr": 1e-3}))

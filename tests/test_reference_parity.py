@@ -33,10 +33,10 @@ def _run(case, model, record: bool = True):
     kwargs = case.model_inputs()
     ids = kwargs["input_ids"]
     types = kwargs.get("token_types")
-    context = model.prepare_context(ids, token_types=types, record_selection=record)
-    hidden = model.embed_tokens(ids, types, kwargs.get("pixel_values"), kwargs.get("image_grids"))
+    context = model.model.prepare_context(ids, token_types=types, record_selection=record)
+    hidden = model.model.embed_tokens(ids, types, kwargs.get("pixel_values"), kwargs.get("image_grids"))
     with torch.no_grad():
-        run = model.run_backbone(hidden, context, output_hidden_states=True)
+        run = model.model.run_backbone(hidden, context, output_hidden_states=True)
     return context, run
 
 
@@ -77,10 +77,10 @@ def model(case_dir):
 
 
 def test_engram_token_map_and_hash_ids(case, model):
-    assert torch.equal(model.engram_token_map, case.expected["engram_token_map"])
+    assert torch.equal(model.model.engram_token_map, case.expected["engram_token_map"])
     kwargs = case.model_inputs()
     dead = kwargs["token_types"] >= 0 if "token_types" in kwargs else None
-    assert torch.equal(model.engram_rows(kwargs["input_ids"], dead), case.expected["engram_hash_ids"])
+    assert torch.equal(model.model.engram_rows(kwargs["input_ids"], dead), case.expected["engram_hash_ids"])
 
 
 def test_logits_on_clean_positions(case, model):
@@ -122,14 +122,14 @@ def test_blocks_restarted_from_reference_inputs(case, model):
     if not case.all_positions_sampled:
         pytest.skip("this case keeps every n-th position only; blocks cannot be restarted from it")
     kwargs = case.model_inputs()
-    context = model.prepare_context(kwargs["input_ids"], token_types=kwargs.get("token_types"))
+    context = model.model.prepare_context(kwargs["input_ids"], token_types=kwargs.get("token_types"))
     residual, pre_mix = case.expected["residual_stream"], case.expected["pre_mix_stream"]
     by_layer = case.expected["clean_prefix_by_layer"]
     exact_until = _exact_until(case)
     with torch.no_grad():
-        for index in range(len(model.layers)):
-            streams = model.apply_engram(index, residual[index], context)
-            out, next_mix, _, _ = model.layer_step(index, streams, pre_mix[index], context)
+        for index in range(len(model.model.layers)):
+            streams = model.model.apply_engram(index, residual[index], context)
+            out, next_mix, _, _ = model.model.layer_step(index, streams, pre_mix[index], context)
             for row in range(out.shape[0]):
                 clean = int(by_layer[index, row])
                 exact = min(clean, exact_until[row])

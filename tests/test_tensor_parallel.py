@@ -49,15 +49,15 @@ def _worker(rank: int, world: int, port: int, folder: str, dense_folder: str) ->
         results = {}
         model = AutoModelForCausalLM.from_pretrained(CHECKPOINT, tp_plan="auto")
         results["quantized"] = _outputs(model)
-        ffn = model.layers[1].ffn
+        ffn = model.model.layers[1].ffn
         results["layout"] = {
-            "wq_b_rows": model.layers[1].attn.wq_b.weight.shape[0],
-            "wq_b_scale_rows": model.layers[1].attn.wq_b.scale.shape[0],
-            "heads": model.layers[1].attn.n_heads,
+            "wq_b_rows": model.model.layers[1].attn.wq_b.weight.shape[0],
+            "wq_b_scale_rows": model.model.layers[1].attn.wq_b.scale.shape[0],
+            "heads": model.model.layers[1].attn.n_heads,
             "expert_range": ffn.expert_range,
             "remote": [i for i, e in enumerate(ffn.experts) if isinstance(e, RemoteExpert)],
-            "table_rows": model.layers[1].engram.embed.weight.shape[0],
-            "head_rows": model.head.weight.shape[0],
+            "table_rows": model.model.layers[1].engram.embed.weight.shape[0],
+            "head_rows": model.lm_head.weight.shape[0],
         }
         dense = AutoModelForCausalLM.from_pretrained(dense_folder, tp_plan="auto", dtype=torch.float64)
         results["float64"] = _outputs(dense)

@@ -87,7 +87,7 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
     model.gradient_checkpointing_enable()
-    assert all(layer.gradient_checkpointing for layer in model.layers)
+    assert all(layer.gradient_checkpointing for layer in model.model.layers)
     model(**batch).loss.backward()
     got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     assert got.keys() == expected.keys()
@@ -104,8 +104,8 @@ def test_moe_balance_loss_reaches_the_gates():
                            batch["attention_mask"])
     assert 0.5 < aux.item() < text.n_routed_experts
     aux.backward()
-    assert model.layers[0].ffn.gate.weight.grad.abs().sum() > 0
-    assert model.layers[0].ffn.gate.bias.grad is None  # the routing biases are not trained by gradient
+    assert model.model.layers[0].ffn.gate.weight.grad.abs().sum() > 0
+    assert model.model.layers[0].ffn.gate.bias.grad is None  # the routing biases are not trained by gradient
 
 
 def test_lora_wraps_custom_linears_and_trains_only_adapters(tmp_path):
@@ -235,8 +235,8 @@ def test_vision_warmup_trains_the_models_own_tower(tmp_path):
     processor = _processor()
     model = random_model(tiny_config(vision=True), dtype=torch.float32).train()
     tokens = image_tokens_per_picture(processor.image_processor)
-    classifier = VisionClassifier(model.vision, model.aligner, tokens, model.config.text_config.hidden_size)
-    assert classifier.tower is model.vision and classifier.aligner is model.aligner
+    classifier = VisionClassifier(model.model.vision, model.model.aligner, tokens, model.config.text_config.hidden_size)
+    assert classifier.tower is model.model.vision and classifier.aligner is model.model.aligner
     batch = ShapeLabelCollator(processor.image_processor)([ShapeLabelDataset(8, seed=0)[i] for i in range(8)])
     assert batch["image_grids"][:, 2:].prod(-1).eq(tokens).all()
     before = {name: p.detach().clone() for name, p in model.named_parameters()}

@@ -82,6 +82,7 @@ SKIPPED: dict[str, dict[str, str]] = {
             "marked slow by transformers (a subprocess run); nothing here imports torchvision, which is not installed"
         ),
     },
+    "ModelTesterMixin": {},
     "ProcessorTesterMixin": {
         **{
             f"test_apply_chat_template_image_{index}": (

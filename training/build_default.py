@@ -113,7 +113,7 @@ def train_backbone(model, processor, settings: BuildSettings, work: Path) -> dic
 
     texts = text_examples(processor.tokenizer, settings.text_length)
     if settings.freeze_vision_tower and settings.vision_warmup_steps:
-        model.vision.requires_grad_(False)
+        model.model.vision.requires_grad_(False)
     qa = ShapeQADataset(settings.backbone_steps * settings.backbone_batch, seed=settings.seed + 1,
                         main_question_share=settings.main_question_share)
     trainer = DeepseekV41Trainer(
@@ -123,7 +123,7 @@ def train_backbone(model, processor, settings: BuildSettings, work: Path) -> dic
         moe_aux_loss_coef=settings.moe_aux_loss_coef,
     )
     result = trainer.train()
-    model.vision.requires_grad_(True)
+    model.model.vision.requires_grad_(True)
     return {"train_loss": result.training_loss, "log": trainer.state.log_history}
 
 

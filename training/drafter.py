@@ -44,11 +44,11 @@ def freeze_all_but_drafter(model) -> list[str]:
     model = _base(model)
     model.requires_grad_(False)
     names = []
-    for name, param in model.mtp.named_parameters():
+    for name, param in model.model.mtp.named_parameters():
         if name.endswith(("gate.bias", "gate.bias_vl")) or not param.is_floating_point() or param.element_size() < 2:
             continue
         param.requires_grad_(True)
-        names.append(f"mtp.{name}")
+        names.append(f"model.mtp.{name}")
     if not names:
         raise ValueError("The model has no trainable DSpark drafter parameters (no mtp.* or quantized weights: "
                          "call model.dequantize_weights() first).")
@@ -131,8 +131,8 @@ def dspark_training_logits(model, input_ids: torch.Tensor, taps: torch.Tensor, a
 
     anchor_pos = positions.gather(1, anchors)  # [B,A]
     block_pos = anchor_pos.unsqueeze(-1) + 1 + steps
-    spec = model.mtp[0].spec
-    inv_freq = model.rotary.inv_freq(spec.rope_theta, spec.use_yarn, device)
+    spec = model.model.mtp[0].spec
+    inv_freq = model.model.rotary.inv_freq(spec.rope_theta, spec.use_yarn, device)
     block_rotation = rope_angles(block_pos.flatten(0, 1), inv_freq)  # [N,K,rope/2]
     tap_rotation = rope_angles(positions.clamp_min(0), inv_freq)  # [B,S,rope/2]
 
@@ -142,7 +142,7 @@ def dspark_training_logits(model, input_ids: torch.Tensor, taps: torch.Tensor, a
     window_valid = (window_index >= 0) & anchor_valid.unsqueeze(-1)
     window_index = window_index.clamp_min(0)
 
-    main_x = project_taps(model, taps.to(model.mtp[0].main_proj.weight.dtype))
+    main_x = project_taps(model, taps.to(model.model.mtp[0].main_proj.weight.dtype))
     block_ids = torch.full_like(prev_tokens, cfg.dspark_noise_token_id)
     block_ids[..., 0] = prev_tokens[..., 0]
     flat_window = window_index.flatten(1)  # [B, A*W]
@@ -154,7 +154,7 @@ def dspark_training_logits(model, input_ids: torch.Tensor, taps: torch.Tensor, a
         return window_kv.view(batch * n_anchors, width, kv.shape[-1]).to(dtype), window_valid.flatten(0, 1)
 
     hidden, base = dspark_forward(model, block_ids.flatten(0, 1), block_rotation, stage_window)
-    final = model.mtp[-1]
+    final = model.model.mtp[-1]
     base = base.float()
     bias, embedding = final.markov_head(prev_tokens.flatten(0, 1))
     logits = base + bias.float()

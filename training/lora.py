@@ -22,8 +22,8 @@ DEFAULT_TARGET_MODULES = ATTENTION_TARGETS + EXPERT_TARGETS
 def target_regex(attention: tuple[str, ...] = ATTENTION_TARGETS, experts: tuple[str, ...] = EXPERT_TARGETS,
                  include_drafter: bool = False) -> str:
     """A PEFT `target_modules` regex for the backbone's main attention and expert projections (not the
-    compressor/indexer/Engram projections that share some of these short names; `mtp.*` only when asked)."""
-    prefix = r"(layers|mtp)" if include_drafter else r"layers"
+    compressor/indexer/Engram projections that share some of these short names; `model.mtp.*` only when asked)."""
+    prefix = r"model\.(layers|mtp)" if include_drafter else r"model\.layers"
     parts = []
     if attention:
         parts.append(rf"{prefix}\.\d+\.attn\.({'|'.join(attention)})")

@@ -95,7 +95,7 @@ def warm_up_vision(model, image_processor, args, seed: int, heldout: int = 96) -
     Returns the training log and the held-out shape/colour accuracy of the classifier."""
     from transformers import Trainer
 
-    classifier = VisionClassifier(model.vision, model.aligner, image_tokens_per_picture(image_processor),
+    classifier = VisionClassifier(model.model.vision, model.model.aligner, image_tokens_per_picture(image_processor),
                                   model.config.text_config.hidden_size)
     collator = ShapeLabelCollator(image_processor)
     dataset = ShapeLabelDataset(args.max_steps * args.per_device_train_batch_size, seed)

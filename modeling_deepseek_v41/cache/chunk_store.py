@@ -54,7 +54,9 @@ class ChunkStore:
     def window_entries(self, layer_id: int, chunk_kv: torch.Tensor, positions: torch.Tensor, window: int,
                        floor: torch.Tensor | None = None, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Each query's window entries [B,S,L,hd] from the chunk, and their validity."""
-        width = max(min(window, int(positions.amax()) + 1) if positions.numel() else 0, 0)
+        # traced (export/compile): the chunk's length bounds every position without a cache, with no host read
+        width = (min(window, positions.shape[1]) if torch.compiler.is_compiling()
+                 else max(min(window, int(positions.amax()) + 1) if positions.numel() else 0, 0))
         _, valid, chunk_index = list_window(positions, window, width, floor, offset)
         index = torch.where(valid, chunk_index, 0)
         return gather_rows(chunk_kv, index.clamp_min(0)), valid

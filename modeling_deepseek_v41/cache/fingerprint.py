@@ -100,7 +100,7 @@ def weights_digest(model, method: str | None = None) -> str:
 
 
 def token_map_digest(model) -> str:
-    token_map = getattr(model, "engram_token_map", None)
+    token_map = getattr(model.base_model, "engram_token_map", None)
     if token_map is None:
         return "none"
     return hashlib.sha256(token_map.detach().to("cpu", torch.int64).numpy().tobytes()).hexdigest()

@@ -42,7 +42,7 @@ def compressed_history(model, tokens: torch.Tensor, real: torch.Tensor) -> torch
     if not hasattr(model, "engram_token_map"):
         return torch.full_like(tokens, DEAD)
     dead = ~real | (tokens == model.config.image_token_id)
-    return model.engram_token_map[tokens].masked_fill(dead, DEAD)
+    return model.base_model.engram_token_map[tokens].masked_fill(dead, DEAD)
 
 
 def save_cache(cache, path: str | os.PathLike, model) -> Path:
@@ -124,9 +124,9 @@ def load_cache(cache_class, path: str | os.PathLike, model, dspark: bool, crop_h
         raise ValueError(f"{path} was saved from another model: {mismatch}. A prefix cache can only be restored "
                          "into the model (weights, tokenizer, config) that wrote it; save it again from this one.")
     cache = cache_class(model.config, crop_horizon=crop_horizon, dspark=dspark)
-    device = model.embed.weight.device
+    device = model.get_input_embeddings().weight.device
     tokens = tensors["tokens"].to(device)
-    cache._allocate(tokens.shape[0], device, model.embed.weight.dtype)
+    cache._allocate(tokens.shape[0], device, model.get_input_embeddings().weight.dtype)
     cache.columns = int(metadata["columns"])
     real = tensors["real"].to(device).bool()
     tokens = tokens.long()

@@ -243,7 +243,7 @@ class DeepseekV41Config(ValidatedConfig, PreTrainedConfig):
     keys_to_ignore_at_inference = ["past_key_values"]
     # tensor parallelism (`from_pretrained(..., tp_plan="auto")` under torchrun); the styles are DeepSeek-V4.1's
     # own (tensor_parallel.py): attention heads by o_groups with the grouped output gathered, routed experts
-    # sliced across ranks, Engram table rows and head vocabulary rows split; everything else replicated
+    # sliced across ranks, Engram table rows and head vocabulary rows split; everything else replicated.
     base_model_tp_plan = {
         "layers.*.attn": "deepseek_v41_local_heads",
         "layers.*.attn.wq_b": "deepseek_v41_shard_rows",
@@ -256,8 +256,7 @@ class DeepseekV41Config(ValidatedConfig, PreTrainedConfig):
         "mtp.*.attn.wo_a": "deepseek_v41_shard_rows",
         "mtp.*.attn.wo_b": "deepseek_v41_gather_input",
         "mtp.*.ffn": "deepseek_v41_expert_slices",
-        "head": "deepseek_v41_vocab_rows",
-    }
+    }  # relative to DeepseekV41Model; the head's entry ("lm_head") is DeepseekV41ForCausalLM._tp_plan
 
     def __init__(
         self,
@@ -307,10 +306,15 @@ class DeepseekV41Config(ValidatedConfig, PreTrainedConfig):
     def to_dict(self) -> dict[str, Any]:
         output = super().to_dict()
         output.pop("checkpoint_quantization", None)
-        if isinstance(output.get("text_config"), dict):
-            output["text_config"].pop("engram_storage", None)
         if self.checkpoint_quantization is not None:
             output["quantization_config"] = dict(self.checkpoint_quantization)
+        return output
+
+    def to_diff_dict(self) -> dict[str, Any]:
+        """What config.json stores: `engram_storage` is a placement choice (like `device_map`), not written."""
+        output = super().to_diff_dict()
+        if isinstance(output.get("text_config"), dict):
+            output["text_config"].pop("engram_storage", None)
         return output
 
     def get_text_config(self, *args: Any, **kwargs: Any) -> DeepseekV41TextConfig:

@@ -10,6 +10,9 @@ import re
 
 import torch
 from torch import nn
+from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+from transformers.core_model_loading import WeightRenaming
+from transformers.utils import logging
 
 from ..layers.engram import DeepseekV41ExternalEngramTable
 from ..layers.engram_hashing import build_compressed_token_map
@@ -17,6 +20,28 @@ from .checkpoint_layout import check_checkpoint_folder
 from .device_map import check_device_map, deepseek_device_map, preload_submodules, return_to_input_device, spread_units
 from .engram_storage import ExternalTable
 from .tensor_parallel import RemoteExpert
+
+logger = logging.get_logger(__name__)
+
+# The hub checkpoint's flat names (`embed.weight`, `layers.N...`, `head.weight`, `mtp.N...`) are kept on disk; in
+# DeepseekV41ForCausalLM the base model's tensors live under `model.` and the head is `lm_head`.
+_BASE_MODEL_TENSORS = r"(embed|layers|norm|mtp|vision|aligner|image_start|image_end|image_newline|engram_token_map)"
+HUB_RENAMES = ((rf"^{_BASE_MODEL_TENSORS}", r"^model.\1"), (r"^head\.", r"^lm_head."))
+
+
+def register_hub_names(class_name: str) -> None:
+    """Register the hub-name renaming as transformers' checkpoint conversion mapping of `class_name`: applied by
+    from_pretrained, reversed by save_pretrained."""
+    mapping = [WeightRenaming(source, target) for source, target in HUB_RENAMES]
+    register_checkpoint_conversion_mapping(class_name, mapping, overwrite=True)
+
+
+def hub_name(name: str) -> str:
+    """The hub checkpoint's name of a tensor of DeepseekV41ForCausalLM's state dict (the mapping's inverse)."""
+    if name.startswith("lm_head."):
+        return "head." + name[len("lm_head."):]
+    return name.removeprefix("model.")
+
 
 HUB_KWARGS = ("revision", "cache_dir", "token", "local_files_only", "subfolder")
 _AUTO_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
@@ -62,19 +87,23 @@ def place_skeleton(skeleton: nn.Module, device_map, max_memory: dict | None):
 def held_tensors(model: nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """name -> (shape, dtype) of every tensor the model reads from a checkpoint, including Engram tables kept off
     the device (which are not parameters) and the routed experts other tensor-parallel ranks hold."""
-    held = {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}
+    held = {hub_name(name): (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}
     modules = dict(model.named_modules())
     for name, module in modules.items():
         if isinstance(module, DeepseekV41ExternalEngramTable):
-            held.update({f"{name}.{key}": value for key, value in module.checkpoint_tensors().items()})
+            held.update({hub_name(f"{name}.{key}"): value for key, value in module.checkpoint_tensors().items()})
         elif isinstance(module, RemoteExpert):  # held by another rank: shaped like the experts held here
             sibling = next(m for m in modules[name.rpartition(".")[0]] if not isinstance(m, RemoteExpert))
-            held.update({f"{name}.{key}": (tuple(t.shape), t.dtype) for key, t in sibling.state_dict().items()})
+            held.update({hub_name(f"{name}.{key}"): (tuple(t.shape), t.dtype)
+                         for key, t in sibling.state_dict().items()})
     return held
 
 
 def check_checkpoint(model: nn.Module, folder, ignore_mismatched_sizes: bool) -> None:
-    """Check a local checkpoint folder against the built model (on the meta device), before any weight is read."""
+    """Check a local checkpoint folder against the built full model (on the meta device), before any weight is read.
+    The base model alone loads from a full checkpoint and leaves the head unused: transformers reports that."""
+    if model.get_output_embeddings() is None:
+        return
     if isinstance(folder, (str, os.PathLike)) and os.path.isdir(folder) and not ignore_mismatched_sizes:
         check_checkpoint_folder(folder, held_tensors(model))
 
@@ -86,7 +115,7 @@ def attach_engram_tables(model: nn.Module, pretrained_model_name_or_path, hub_kw
         return
     folder = local_folder(pretrained_model_name_or_path, hub_kwargs)
     for name, table in tables:
-        table.attach(ExternalTable.from_checkpoint(folder, name, table.quantized, table.storage))
+        table.attach(ExternalTable.from_checkpoint(folder, hub_name(name), table.quantized, table.storage))
 
 
 def spread_over_devices(model: nn.Module) -> None:
@@ -136,6 +165,19 @@ def load_tokenizer_for_token_map(pretrained_model_name_or_path: str | os.PathLik
             f"({error}). Put tokenizer.json and tokenizer_config.json next to the weights, or load the tokenizer "
             "yourself and call model.build_engram_token_map(tokenizer)."
         ) from error
+
+
+def fill_placeholder_token_map(model: nn.Module, why: str) -> None:
+    """Fill `model.engram_token_map` with a deterministic placeholder (token id modulo the compressed vocabulary),
+    and warn: it lets a model without its tokenizer run, but it is not the map a trained checkpoint was trained with."""
+    text = model.config.text_config
+    logger.warning(
+        f"The Engram token map is a deterministic placeholder (token id modulo engram_compressed_vocab_size) because "
+        f"{why}. A trained checkpoint needs the map of its tokenizer: call model.build_engram_token_map(tokenizer)."
+    )
+    placeholder = torch.arange(text.vocab_size, dtype=torch.int64) % text.engram_compressed_vocab_size
+    with torch.no_grad():
+        model.engram_token_map.copy_(placeholder.to(model.engram_token_map.device))
 
 
 def compressed_token_map(tokenizer, vocab_size: int, expected_size: int) -> torch.Tensor:

@@ -7,6 +7,8 @@ import re
 import torch
 from torch import nn
 
+from .loader import hub_name
+
 COMPONENTS = {
     "routed_experts": re.compile(r"^layers\.\d+\.ffn\.experts\."),
     "shared_experts": re.compile(r"^layers\.\d+\.ffn\.shared_experts\."),
@@ -34,7 +36,7 @@ def count_parameters(model: nn.Module) -> dict[str, int]:
         if name.endswith(".scale") and tensor.dtype == torch.float8_e8m0fnu:
             continue
         n = logical_numel(name, tensor, storage)
-        group = next((g for g, pattern in COMPONENTS.items() if pattern.search(name)), "other")
+        group = next((g for g, pattern in COMPONENTS.items() if pattern.search(hub_name(name))), "other")
         counts[group] += n
     excluded = ("engram_tables", "dspark", "vision_tower", "vision_aligner")
     counts["backbone"] = sum(v for k, v in counts.items() if k not in excluded)

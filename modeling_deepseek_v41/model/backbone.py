@@ -1,4 +1,5 @@
-"""The backbone's forward: what the layers of one forward share (ForwardContext), and the runner that takes the
+"""`DeepseekV41Model`, the base model: embeddings (with image spans), Engram hashing, every block, the final norm and
+the DSpark drafter's blocks; what the layers of one forward share (ForwardContext), and the runner that takes the
 embeddings through Engram, the DSpark taps and every block (whole, or with CED's bounded replay)."""
 
 from __future__ import annotations
@@ -6,13 +7,47 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
+from transformers.modeling_outputs import BaseModelOutputWithPast
+from transformers.utils.generic import can_return_tuple
 
+from ..cache.cache import DeepseekV41Cache
 from ..cache.chunk_store import ChunkStore
+from ..config.configuration_deepseek_v41 import DeepseekV41Config
+from ..config.layer_plan import LayerPlan
+from ..kernels.linear import DeepseekV41RMSNorm
+from ..kernels.numerics import compute_dtype, weight_dtype
 from ..layers.attention import ForwardShare
+from ..layers.block import DeepseekV41BackboneBlock
+from ..layers.dspark import DeepseekV41DSparkBlock
 from ..layers.engram import prefetch_engram_rows
-from ..layers.engram_hashing import DEAD, engram_hash_ids, ngram_window
-from ..layers.vision import embed_images, merge_image_embeddings
-from ..kernels.numerics import compute_dtype
+from ..layers.engram_hashing import DEAD, EngramHashLayout, engram_hash_ids, ngram_window
+from ..layers.hyper_connections import hc_collapse
+from ..layers.rotary import DeepseekV41Rotary
+from ..layers.vision import DeepseekV41VisionAligner, DeepseekV41VisionTower, embed_images, merge_image_embeddings
+from ..loading.loader import compressed_token_map
+from .inputs import check_forward_inputs
+from .pretrained import DeepseekV41PreTrainedModel
+
+PREFILL_MODES = ("exact", "bounded_replay")
+
+
+@dataclass
+class DeepseekV41ModelOutput(BaseModelOutputWithPast):
+    """The base model's output.
+
+    last_hidden_state: [B,S,D] the final norm of the hc streams collapsed by the last block's weights (what
+        `lm_head` reads). cache: the `DeepseekV41Cache` (with `use_cache`).
+    hidden_states: with `output_hidden_states`, the hyper-connection streams [B,S,hc_mult,D]: the embeddings copied
+        into the streams, then every block's output (num_hidden_layers + 1 tensors; no final norm).
+    router_logits / router_experts: with `output_router_logits`, every layer's router scores and chosen experts.
+    dspark_hidden: the DSpark tap (mean over streams of each target layer's input, concatenated) of the caller's
+        tokens; None without DSpark target layers.
+    """
+
+    router_logits: tuple[torch.Tensor, ...] | None = None
+    router_experts: tuple[torch.Tensor, ...] | None = None
+    dspark_hidden: torch.Tensor | None = None
 
 
 @dataclass
@@ -59,9 +94,161 @@ def initial_streams(hidden: torch.Tensor, hc_mult: int) -> tuple[torch.Tensor, t
     return streams, pre_mix
 
 
-class DeepseekV41BackboneMixin:
-    """The backbone's forward pieces, on the model that holds `embed`, `layers`, `plan`, `rotary` and (with
-    Engram) `engram_layout` and `engram_token_map`."""
+class DeepseekV41Model(DeepseekV41PreTrainedModel):
+    """The DeepSeek-V4.1 backbone without the output head: `embed`, `layers`, `norm`, the DSpark drafter's blocks
+    (`mtp`, run by `DeepseekV41ForCausalLM` with its head), the vision tower (`vision`, `aligner`, `image_*`) and the
+    Engram token map. Module names are the hub checkpoint's, so `AutoModel` loads the released files as shipped; the
+    CSA2 schedule comes from one `LayerPlan` computed at construction."""
+
+    def __init__(self, config: DeepseekV41Config) -> None:
+        super().__init__(config)
+        text = config.text_config
+        self.plan = LayerPlan.from_config(text)
+        quantized = config.checkpoint_quantization is not None
+        self.quantized = quantized
+        vision = config.vision_enabled
+        self.embed = nn.Embedding(text.vocab_size, text.hidden_size, dtype=weight_dtype(torch.bfloat16))
+        self.layers = nn.ModuleList(
+            DeepseekV41BackboneBlock(text, spec, quantized, has_vision_bias=vision) for spec in self.plan.layers
+        )
+        self.norm = DeepseekV41RMSNorm(text.hidden_size, text.rms_norm_eps)
+        drafting = text.dspark_block_size > 0
+        self.mtp = nn.ModuleList(
+            DeepseekV41DSparkBlock(text, spec, stage, quantized, vision)
+            for stage, spec in enumerate(self.plan.dspark_layers if drafting else ())
+        )
+        if vision:
+            self.vision = DeepseekV41VisionTower(config.vision_config)
+            self.aligner = DeepseekV41VisionAligner(config.vision_config, text.hidden_size)
+            for name in ("image_start", "image_end", "image_newline"):
+                setattr(self, name, nn.Parameter(torch.empty(text.hidden_size, dtype=weight_dtype(torch.bfloat16))))
+        if self.plan.engram_layers:
+            self.engram_layout = EngramHashLayout.from_config(text)
+            # built from the tokenizer when a checkpoint does not carry it; -1 marks "not built yet"
+            self.register_buffer("engram_token_map", torch.full((text.vocab_size,), -1, dtype=torch.int64))
+        self.rotary = DeepseekV41Rotary(text, ((spec.rope_theta, spec.use_yarn)
+                                               for spec in self.plan.layers + self.plan.dspark_layers))
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.embed
+
+    def set_input_embeddings(self, value: nn.Module) -> None:
+        self.embed = value
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: DeepseekV41Cache | None = None,
+        past_key_values: DeepseekV41Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        output_router_logits: bool | None = None,
+        output_attentions: bool | None = None,
+        token_types: torch.Tensor | None = None,
+        pixel_values: torch.Tensor | None = None,
+        image_grids: torch.Tensor | None = None,
+        prefill_mode: str | None = None,
+        **kwargs,
+    ) -> DeepseekV41ModelOutput:
+        """The final-norm hidden states of every position (see `DeepseekV41ModelOutput`); `token_types` (-1 text,
+        >= 0 image span) marks image spans, `prefill_mode` chooses CED's bounded replay for a long prefill.
+        `inputs_embeds` replaces the token embeddings; without `input_ids` it needs a config without Engram
+        layers and runs without a cache (both read the token ids)."""
+        if output_attentions or (output_attentions is None and self.config.output_attentions):
+            raise ValueError("output_attentions=True is not supported: DeepSeek-V4.1's sparse attention (top-k "
+                             "compressed blocks plus a sliding window) never materialises attention maps.")
+        if input_ids is not None:
+            check_forward_inputs(self.config, input_ids, attention_mask, token_types, pixel_values, cache,
+                                 past_key_values)
+        input_ids, use_cache = self._ids_for(input_ids, inputs_embeds, cache or past_key_values, use_cache)
+        output_hidden_states = (output_hidden_states if output_hidden_states is not None
+                                else self.config.output_hidden_states)
+        cache = cache if cache is not None else past_key_values
+        if cache is None and use_cache:
+            cache = DeepseekV41Cache(self.config)
+        if cache is not None:
+            if not isinstance(cache, DeepseekV41Cache):
+                raise TypeError(f"DeepseekV41Model needs a DeepseekV41Cache, got {type(cache).__name__}.")
+            cache.check_compatible(self.config.text_config)
+        store = cache if cache is not None else ChunkStore()  # without a cache, the layers' KV lives one forward
+        past = store.get_seq_length()
+        max_positions = self.config.text_config.max_position_embeddings
+        if past + input_ids.shape[1] > max_positions:
+            raise ValueError(
+                f"Sequence of {past + input_ids.shape[1]} tokens exceeds max_position_embeddings ({max_positions})."
+            )
+        mode = prefill_mode or self.config.text_config.prefill_mode
+        if mode not in PREFILL_MODES:
+            raise ValueError(f"prefill_mode must be one of {PREFILL_MODES}, got {mode!r}.")
+        input_ids, positions, replayed = store.begin_chunk(input_ids, attention_mask, self.embed.weight.dtype)
+        if replayed and token_types is not None:
+            token_types = torch.cat([torch.full_like(input_ids[:, :replayed], -1), token_types], dim=1)
+        context = self.prepare_context(input_ids, attention_mask, token_types, store=store, positions=positions,
+                                       replayed=replayed)
+        hidden = inputs_embeds if inputs_embeds is not None else self.embed_tokens(
+            input_ids, token_types, pixel_values, image_grids)
+        replay = self.config.text_config.sliding_window
+        if mode == "bounded_replay" and cache is not None and replayed == 0 and input_ids.shape[1] > replay:
+            run = self.run_backbone_bounded(hidden, context, replay)
+        else:
+            run = self.run_backbone(hidden, context, output_hidden_states=bool(output_hidden_states))
+        streams, pre_mix, taps = run.streams, run.pre_mix, run.taps
+        if store.dspark and taps:
+            spec = self.mtp[0].spec
+            rotation = context.rotations[(spec.rope_theta, spec.use_yarn)][0][:, -taps[0].shape[1]:]
+            self.feed_drafter_rings(torch.cat(taps, dim=-1), run.positions, rotation, store)
+        store.commit(input_ids, context.positions, replayed)
+        if replayed:  # the replayed tokens only rebuilt windows: report the caller's tokens
+            streams, pre_mix = streams[:, replayed:], pre_mix[:, replayed:]
+            taps = [tap[:, replayed:] for tap in taps]
+        return DeepseekV41ModelOutput(
+            last_hidden_state=self.norm(hc_collapse(streams, pre_mix)), cache=cache, hidden_states=run.all_streams,
+            router_logits=tuple(run.router_logits) if output_router_logits else None,
+            router_experts=tuple(run.experts) if output_router_logits else None,
+            dspark_hidden=torch.cat(taps, dim=-1) if taps else None,
+        )
+
+    def _ids_for(self, input_ids, inputs_embeds, cache, use_cache) -> tuple[torch.Tensor, bool]:
+        """The token ids a forward runs on (zeros standing in for them with `inputs_embeds` alone, where nothing
+        reads them) and whether it uses a cache (`use_cache=None` follows the config)."""
+        if input_ids is not None:
+            return input_ids, use_cache if use_cache is not None else self.config.text_config.use_cache
+        if inputs_embeds is None:
+            raise ValueError("Pass input_ids (or inputs_embeds, for a config without Engram layers).")
+        if self.plan.engram_layers:
+            raise ValueError(
+                f"inputs_embeds without input_ids is not supported by this config: its Engram layers "
+                f"{list(self.plan.engram_layers)} hash the token ids. Pass input_ids (with inputs_embeds if wanted)."
+            )
+        if cache is not None or use_cache:
+            raise ValueError("A cache records the token ids (for its restore and replay): pass input_ids with "
+                             "inputs_embeds, or use_cache=False.")
+        return torch.zeros(inputs_embeds.shape[:2], dtype=torch.long, device=inputs_embeds.device), False
+
+    def project_taps(self, taps: torch.Tensor) -> torch.Tensor:
+        """The backbone taps [..., n_taps*D] projected into the drafter's width (stage 0's `main_proj`,
+        `main_norm`): what every stage's window KV is computed from."""
+        first = self.mtp[0]
+        return first.main_norm(first.main_proj(taps))
+
+    def feed_drafter_rings(self, taps: torch.Tensor, positions: torch.Tensor, rotation: torch.Tensor, cache
+                           ) -> None:
+        """Write every processed position's drafter window KV (from the projected taps) into each stage's ring."""
+        main_x = self.project_taps(taps)
+        for block in self.mtp:
+            cache.write_window(block.spec.layer_id, block.attn.tap_kv(main_x, rotation), positions)
+
+    def build_engram_token_map(self, tokenizer) -> None:
+        """Build the Engram compressed token map from `tokenizer` (it is saved with the model afterwards)."""
+        text = self.config.text_config
+        token_map = compressed_token_map(tokenizer, text.vocab_size, text.engram_compressed_vocab_size)
+        with torch.no_grad():
+            self.engram_token_map.copy_(token_map.to(self.engram_token_map.device))
 
     def engram_rows(self, input_ids: torch.Tensor, dead: torch.Tensor | None, store=None, replayed: int = 0
                     ) -> torch.Tensor:

@@ -9,14 +9,15 @@ import torch
 
 from ..config.configuration_deepseek_v41 import config_with_device_engram
 from ..loading.checkpoint_layout import check_checkpoint_folder, stored_tensors
+from ..loading.loader import hub_name
 from .causal_lm import DeepseekV41ForCausalLM
 
 
 def held_tensors(config) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """name -> (shape, dtype) of every tensor a model of `config` holds, built on the meta device (no memory)."""
+    """hub name -> (shape, dtype) of every tensor a model of `config` holds, built on the meta device (no memory)."""
     with torch.device("meta"):
         model = DeepseekV41ForCausalLM(config_with_device_engram(config))  # host/mmap tables are stored too
-    return {name: (tuple(tensor.shape), tensor.dtype) for name, tensor in model.state_dict().items()}
+    return {hub_name(name): (tuple(tensor.shape), tensor.dtype) for name, tensor in model.state_dict().items()}
 
 
 def expected_tensors(config, hub_layout: bool = True) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

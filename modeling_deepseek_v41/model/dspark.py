@@ -22,17 +22,8 @@ class Draft(NamedTuple):
 
 
 def project_taps(model, taps: torch.Tensor) -> torch.Tensor:
-    """The backbone taps [..., n_taps*D] projected into the drafter's width (stage 0's `main_proj`, `main_norm`):
-    what every stage's window KV is computed from."""
-    first = model.mtp[0]
-    return first.main_norm(first.main_proj(taps))
-
-
-def feed_dspark_rings(model, taps: torch.Tensor, positions: torch.Tensor, rotation: torch.Tensor, cache) -> None:
-    """Write every processed position's drafter window KV (from the projected taps) into each stage's ring."""
-    main_x = project_taps(model, taps)
-    for block in model.mtp:
-        cache.write_window(block.spec.layer_id, block.attn.tap_kv(main_x, rotation), positions)
+    """The backbone taps projected into the drafter's width (see `DeepseekV41Model.project_taps`)."""
+    return model.model.project_taps(taps)
 
 
 def dspark_forward(model, block_ids: torch.Tensor, rotation: torch.Tensor,
@@ -43,12 +34,12 @@ def dspark_forward(model, block_ids: torch.Tensor, rotation: torch.Tensor,
     block_ids [N,K] at rotation [N,K,rope/2]; `stage_window(block, dtype)` gives each stage's window KV [N,L,hd]
     and validity [N,L]. Returns the last stage's collapsed hidden state [N,K,D] and its head logits (no Markov
     bias: drafting adds it token by token, training teacher-forced)."""
-    streams, pre_mix = initial_streams(model.embed(block_ids), model.config.text_config.hc_mult)
-    for block in model.mtp:
+    streams, pre_mix = initial_streams(model.model.embed(block_ids), model.config.text_config.hc_mult)
+    for block in model.model.mtp:
         window_kv, window_valid = stage_window(block, streams.dtype)
         streams, pre_mix, _, _ = block(streams, pre_mix, None, rotation, window_kv, window_valid)
     hidden = hc_collapse(streams, pre_mix)
-    return hidden, model.head(model.mtp[-1].norm(hidden))
+    return hidden, model.lm_head(model.model.mtp[-1].norm(hidden))
 
 
 def dspark_draft(model, next_ids: torch.Tensor, cache,
@@ -65,10 +56,10 @@ def dspark_draft(model, next_ids: torch.Tensor, cache,
     block_ids = next_ids.new_full((next_ids.shape[0], size), text.dspark_noise_token_id)
     block_ids[:, 0] = next_ids
     positions = last.unsqueeze(1) + 1 + torch.arange(size, device=last.device)
-    rotation = model.rotary.angles(model.mtp[0].spec, positions)
+    rotation = model.model.rotary.angles(model.model.mtp[0].spec, positions)
     hidden, logits = dspark_forward(model, block_ids, rotation, lambda block, dtype: cache.drafter_window(
         block.spec.layer_id, last, text.sliding_window, dtype))
-    final = model.mtp[-1]
+    final = model.model.mtp[-1]
     choose = choose or (lambda scores, _: scores.argmax(dim=-1))
     ids, embeddings = [next_ids], []
     for i in range(size):

@@ -19,7 +19,7 @@ def check_forward_inputs(config, input_ids, attention_mask=None, token_types=Non
     """Refuse inputs the forward cannot run correctly on. `cache` (or `past_key_values`) is the forward's cache."""
     cache = cache if cache is not None else past_key_values
     if input_ids is None:
-        raise ValueError("DeepseekV41ForCausalLM needs input_ids: the Engram hash is computed from token ids.")
+        raise ValueError("input_ids is required here: the Engram hash is computed from token ids (inputs_embeds alone works only for a config without Engram layers).")
     if not isinstance(input_ids, torch.Tensor) or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
         kind = input_ids.dtype if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
         raise ValueError(f"input_ids must be an integer tensor of token ids, got {kind}; pass a LongTensor "

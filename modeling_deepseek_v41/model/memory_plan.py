@@ -25,7 +25,7 @@ GIB = 2**30
 CROP_HORIZON = 64  # the cache's default: window rings hold sliding_window + this many slots
 ENGRAM_HISTORY_BYTES = 9  # per token: the compressed id (int64) and the real-token flag, as the cache counts them
 # parameters split across ranks by DeepseekV41Config.base_model_tp_plan (everything else is replicated)
-TP_SPLIT = re.compile(r"(\.ffn\.experts\.|\.attn\.(wq_b|wo_a)\.|\.attn\.attn_sink$|engram\.embed\.|^head\.)")
+TP_SPLIT = re.compile(r"(\.ffn\.experts\.|\.attn\.(wq_b|wo_a)\.|\.attn\.attn_sink$|engram\.embed\.|^(lm_)?head\.)")
 GPUS = {"8x H200 (141 GB)": 141 * GB, "8x H100 (80 GB)": 80 * GB}
 
 

@@ -31,7 +31,7 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["DeepseekV41BackboneBlock", "DeepseekV41DSparkBlock"]
-    _keys_to_ignore_on_load_missing = [r"^engram_token_map$"]
+    _keys_to_ignore_on_load_missing = [r"(^|\.)engram_token_map$"]
     _supports_sdpa = False
     _supports_flash_attn = False
     _can_compile_fullgraph = False
@@ -88,7 +88,8 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
         Engram token map built from the folder's tokenizer when the weights do not carry it, and
         `weight_mode="bf16"` dequantization after loading."""
         hub_kwargs = loader.hub_kwargs_of(kwargs)
-        local = os.path.isdir(pretrained_model_name_or_path) and not kwargs.get("ignore_mismatched_sizes")
+        local = (pretrained_model_name_or_path is not None and os.path.isdir(pretrained_model_name_or_path)
+                 and not kwargs.get("ignore_mismatched_sizes"))
         if local and not checkpoint_has_prefix(pretrained_model_name_or_path, "mtp."):
             config = kwargs.get("config")
             if not isinstance(config, DeepseekV41Config):
@@ -110,12 +111,26 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
             localize_parameters(model)
         loader.attach_engram_tables(model, pretrained_model_name_or_path, hub_kwargs)
         loader.spread_over_devices(model)
-        if hasattr(model, "engram_token_map") and bool((model.engram_token_map < 0).any()):
-            model.build_engram_token_map(loader.load_tokenizer_for_token_map(pretrained_model_name_or_path,
-                                                                             **hub_kwargs))
-        if model.config.weight_mode == "bf16" and model.quantized:
+        base = model.base_model
+        if hasattr(base, "engram_token_map") and bool((base.engram_token_map < 0).any()):
+            if pretrained_model_name_or_path is None:  # weights from a state_dict: no folder to read a tokenizer from
+                loader.fill_placeholder_token_map(base, "the given state_dict has no engram_token_map")
+            else:
+                base.build_engram_token_map(loader.load_tokenizer_for_token_map(pretrained_model_name_or_path,
+                                                                                **hub_kwargs))
+        if model.config.weight_mode == "bf16" and base.quantized:
             model.dequantize_weights()
         return loaded
+
+    @classmethod
+    def _from_config(cls, config, **kwargs):
+        """transformers' construction from a config; a model with Engram layers gets a deterministic placeholder
+        token map (with a warning), since there is no tokenizer to build it from."""
+        model = super()._from_config(config, **kwargs)
+        base = model.base_model
+        if hasattr(base, "engram_token_map") and bool((base.engram_token_map < 0).any()):
+            loader.fill_placeholder_token_map(base, "the model was built from a config, without a tokenizer")
+        return model
 
     @classmethod
     def _skeleton(cls, path, kwargs: dict) -> nn.Module:
@@ -146,17 +161,10 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
         loader.check_savable(self)
         return super().save_pretrained(*args, **kwargs)
 
-    def build_engram_token_map(self, tokenizer) -> None:
-        """Build the Engram compressed token map from `tokenizer` (it is saved with the model afterwards)."""
-        text = self.config.text_config
-        token_map = loader.compressed_token_map(tokenizer, text.vocab_size, text.engram_compressed_vocab_size)
-        with torch.no_grad():
-            self.engram_token_map.copy_(token_map.to(self.engram_token_map.device))
-
     def dequantize_weights(self, dtype: torch.dtype = torch.bfloat16) -> None:
         """Switch to the bf16 weight mode: dequantize every FP8/FP4 weight exactly, drop the scales, and drop the
         checkpoint's quantization description from the config (saving then writes dense weights)."""
         loader.dequantize_module_weights(self, dtype)
-        self.quantized = False
+        self.base_model.quantized = False
         self.config.checkpoint_quantization = None
         self.config.weight_mode = "bf16"

@@ -1,0 +1,158 @@
+"""transformers conventions of the model classes (issue 17), each as the user's command with its result checked:
+the base model and head, the hub names on disk, resizing, a model built from a config, the forward options."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModel, AutoModelForCausalLM
+from transformers.modeling_outputs import BaseModelOutputWithPast
+
+from model_factory import tiny_config
+from modeling_deepseek_v41 import DeepseekV41ForCausalLM, DeepseekV41Model
+from modeling_deepseek_v41.cache.cache import DeepseekV41Cache
+from reference_cases import FIXTURES
+
+CHECKPOINT = FIXTURES / "tiny-text" / "checkpoint"
+
+
+def stored_names(folder) -> set[str]:
+    names = set()
+    for path in folder.glob("*.safetensors"):
+        with safe_open(str(path), "pt") as handle:
+            names |= set(handle.keys())
+    return names
+
+
+@pytest.fixture(scope="module")
+def bf16_model():
+    return AutoModelForCausalLM.from_pretrained(CHECKPOINT, weight_mode="bf16")
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return torch.randint(0, 500, (2, 7), generator=torch.Generator().manual_seed(0))
+
+
+def test_base_model_is_named_by_the_prefix_and_the_head_is_lm_head(bf16_model):
+    assert bf16_model.base_model_prefix == "model"
+    assert isinstance(bf16_model.model, DeepseekV41Model) and bf16_model.base_model is bf16_model.model
+    assert bf16_model.get_output_embeddings() is bf16_model.lm_head
+    assert bf16_model.get_input_embeddings() is bf16_model.model.embed
+    assert {name.split(".")[0] for name in bf16_model.state_dict()} == {"model", "lm_head"}
+
+
+def test_automodel_loads_the_hub_checkpoint_as_the_base_model(bf16_model, ids):
+    base = AutoModel.from_pretrained(CHECKPOINT, weight_mode="bf16")
+    assert type(base) is DeepseekV41Model
+    out = base(ids, use_cache=False)
+    assert isinstance(out, BaseModelOutputWithPast) and out.last_hidden_state.shape == (2, 7, 128)
+    with torch.no_grad():  # the base model's hidden states are what the head reads
+        assert torch.equal(bf16_model.lm_head(out.last_hidden_state), bf16_model(ids, use_cache=False).logits)
+
+
+def test_hub_names_stay_on_disk_and_save_pretrained_round_trips(tmp_path, ids):
+    model = AutoModelForCausalLM.from_pretrained(CHECKPOINT)
+    model.save_pretrained(tmp_path)
+    assert stored_names(tmp_path) == stored_names(CHECKPOINT) | {"engram_token_map"}
+    reloaded, info = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, model(ids).logits)
+
+
+def test_hidden_states_are_the_documented_streams(bf16_model, ids):
+    out = bf16_model.model(ids, output_hidden_states=True, use_cache=False)
+    text = bf16_model.config.text_config
+    assert len(out.hidden_states) == text.num_hidden_layers + 1
+    assert all(h.shape == (2, 7, text.hc_mult, text.hidden_size) for h in out.hidden_states)
+
+
+def test_resize_token_embeddings_in_bf16_mode(ids):
+    model = AutoModelForCausalLM.from_pretrained(CHECKPOINT, weight_mode="bf16")
+    before = model(ids, use_cache=False).logits
+    model.resize_token_embeddings(520)
+    assert model.config.text_config.vocab_size == 520
+    assert model.lm_head.weight.shape[0] == 520 and model.model.embed.weight.shape[0] == 520
+    assert model.model.engram_token_map.shape == (520,)
+    after = model(torch.cat([ids, torch.tensor([[515], [519]])], dim=1), use_cache=False).logits
+    assert after.shape[-1] == 520
+    assert torch.equal(after[:, :7, :512], before)
+
+
+def test_resize_token_embeddings_refuses_quantized_weights():
+    model = AutoModelForCausalLM.from_pretrained(CHECKPOINT)
+    with pytest.raises(ValueError, match=r'weight_mode="bf16"'):
+        model.resize_token_embeddings(520)
+
+
+def test_from_config_runs_with_a_placeholder_token_map_and_warns(caplog, tmp_path, ids):
+    with caplog.at_level(logging.WARNING):
+        model = AutoModelForCausalLM.from_config(tiny_config())
+    assert "placeholder" in caplog.text
+    token_map = model.model.engram_token_map
+    assert torch.equal(token_map, torch.arange(token_map.numel()) % model.config.text_config.engram_compressed_vocab_size)
+    logits = model(ids).logits
+    model.save_pretrained(tmp_path)  # no tokenizer files: the saved map makes the folder loadable
+    assert not (tmp_path / "tokenizer.json").exists()
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert torch.equal(reloaded(ids).logits, logits)
+
+
+def test_hub_checkpoint_without_map_or_tokenizer_says_it_needs_the_tokenizer(tmp_path):
+    for path in CHECKPOINT.iterdir():
+        if not path.name.startswith("tokenizer"):
+            (tmp_path / path.name).symlink_to(path)
+    assert "engram_token_map" not in stored_names(tmp_path)
+    with pytest.raises(ValueError, match="tokenizer"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+def test_return_dict_false_gives_a_tuple(bf16_model, ids):
+    out = bf16_model(ids, return_dict=False, use_cache=False)
+    assert isinstance(out, tuple) and torch.equal(out[0], bf16_model(ids, use_cache=False).logits)
+
+
+def test_config_flags_are_followed(ids):
+    config = tiny_config()
+    config.text_config.use_cache = False
+    config.output_hidden_states = True
+    model = AutoModelForCausalLM.from_config(config)
+    out = model(ids)
+    assert out.cache is None and len(out.hidden_states) == config.text_config.num_hidden_layers + 1
+    assert isinstance(model(ids, use_cache=True).cache, DeepseekV41Cache)
+    config.text_config.use_cache = True
+    assert isinstance(model(ids).cache, DeepseekV41Cache)  # use_cache=None follows the config
+
+
+def test_output_attentions_is_refused_clearly(bf16_model, ids):
+    with pytest.raises(ValueError, match="never materialises attention maps"):
+        bf16_model(ids, output_attentions=True)
+
+
+def test_inputs_embeds_without_ids_where_no_engram_layer_needs_them(ids):
+    model = DeepseekV41ForCausalLM(tiny_config(engram_layer_ids=[], engram_num_embeddings=[]))
+    embeds = model.get_input_embeddings()(ids)
+    assert torch.equal(model(inputs_embeds=embeds).logits, model(ids, use_cache=False).logits)
+
+
+def test_inputs_embeds_without_ids_is_refused_with_engram_layers(bf16_model, ids):
+    with pytest.raises(ValueError, match="Engram layers"):
+        bf16_model(inputs_embeds=bf16_model.get_input_embeddings()(ids))
+
+
+def test_from_pretrained_from_a_state_dict(bf16_model, ids):
+    model = DeepseekV41ForCausalLM.from_pretrained(None, config=bf16_model.config, state_dict=bf16_model.state_dict())
+    assert torch.equal(model(ids, use_cache=False).logits, bf16_model(ids, use_cache=False).logits)
+
+
+def test_to_dict_keeps_engram_storage_but_config_json_does_not():
+    config = tiny_config()
+    config.engram_storage = "mmap"
+    assert config.to_dict()["text_config"]["engram_storage"] == "mmap"
+    assert type(config)(**config.to_dict()).engram_storage == "mmap"
+    assert "engram_storage" not in json.loads(config.to_json_string())["text_config"]
