@@ -144,8 +144,8 @@ def profile_decode(model, context: int, steps: int = 3, top: int = 25) -> None:
             for _ in range(steps):
                 model(token, cache=copy.deepcopy(cache))
             torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=top, max_name_column_width=60))
-    total = sum(e.device_time_total for e in prof.key_averages()) / 1e3 / steps
+    print(prof.key_averages().table(sort_by="device_time_total", row_limit=top, max_name_column_width=60))
+    total = sum(getattr(e, "device_time_total", 0) for e in prof.key_averages()) / 1e3 / steps
     print(json.dumps({"profiled_steps": steps, "gpu_busy_ms_per_step": total}), flush=True)
 
 
