@@ -72,6 +72,7 @@ def _model():
     return copy.deepcopy(load_model(str(TEXT_CASE)))
 
 
+@pytest.mark.slow  # the interpreter runs every kernel program in numpy: minutes on 2 busy cores
 def test_fixture_logits_through_the_kernels(kernel_calls):
     case = load_case(str(TEXT_CASE))
     model = _model()
@@ -90,6 +91,7 @@ def test_fixture_logits_through_the_kernels(kernel_calls):
         assert rel <= 0.2 and top1 >= 0.7, (row, float(rel), float(top1))
 
 
+@pytest.mark.slow  # as above; the same check runs compiled in tests/test_cuda.py
 def test_k_token_forward_equals_k_single_steps_through_the_kernels(kernel_calls):
     from modeling_deepseek_v41.cache import DeepseekV41Cache
 
