@@ -134,9 +134,25 @@ def decode_rows(model, context: int, batches: list[int], steps: int, bandwidth: 
     return rows
 
 
+def profile_decode(model, context: int, steps: int = 3, top: int = 25) -> None:
+    """The CUDA time of one eager batch-1 decode step by kernel (torch.profiler), largest first."""
+    cache, token = prefilled_cache(model, context, 1)
+    with torch.no_grad():
+        model(token, cache=copy.deepcopy(cache))  # compiles and builds what the step needs
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                model(token, cache=copy.deepcopy(cache))
+            torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="device_time_total", row_limit=top, max_name_column_width=60))
+    total = sum(getattr(e, "device_time_total", 0) for e in prof.key_averages()) / 1e3 / steps
+    print(json.dumps({"profiled_steps": steps, "gpu_busy_ms_per_step": total}), flush=True)
+
+
 def prefill_rows(model, lengths: list[int], modes: list[str], skip: set[tuple[str, int]]) -> list[dict]:
     vocab = model.config.text_config.vocab_size
     rows = []
+    warmup = 1  # the first call compiles the prefill kernels; later lengths reuse them
     for length in lengths:
         for mode in modes:
             if (mode, length) in skip:
@@ -148,7 +164,8 @@ def prefill_rows(model, lengths: list[int], modes: list[str], skip: set[tuple[st
                 with torch.no_grad():
                     model(ids, cache=DeepseekV41Cache(model.config), prefill_mode=mode, logits_to_keep=1)
             try:
-                ms = timed_ms(run, repeats=1, warmup=1)
+                ms = timed_ms(run, repeats=1, warmup=warmup)
+                warmup = 0
             except torch.OutOfMemoryError:
                 row = {"prefill": length, "mode": mode, "result": "out of memory"}
             else:
@@ -173,6 +190,7 @@ def main() -> None:
     parser.add_argument("--skip-prefill", type=int, nargs="*", default=[],
                         help="lengths run in bounded_replay only (exact at 64K is the slow path)")
     parser.add_argument("--no-eager", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="only profile one eager batch-1 decode step")
     parser.add_argument("--bandwidth", type=float, default=4.8e12)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -183,6 +201,9 @@ def main() -> None:
     print(json.dumps({"mode": args.mode, "experts": args.experts, "weights_gib": round(weights_gib, 2),
                       "build_s": round(time.perf_counter() - start, 1),
                       "device": torch.cuda.get_device_name()}), flush=True)
+    if args.profile:
+        profile_decode(model, args.context)
+        return
     decode_rows(model, args.context, args.batches, args.steps, args.bandwidth, eager=not args.no_eager)
     skip = {("exact", n) for n in args.skip_prefill}
     prefill_rows(model, args.prefill, args.prefill_modes, skip)

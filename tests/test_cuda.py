@@ -1,5 +1,5 @@
-"""The accelerator paths on a CUDA device (skipped without one): fused softmax and Sinkhorn, the gathered-expert
-MoE and the sync-free cache writes of decode steps.
+"""The accelerator paths on a CUDA device (skipped without one): the Triton kernels (FP8/FP4/dense linears, the
+grouped MoE, the grouped wo_a), fused softmax and Sinkhorn, and the sync-free cache writes of decode steps.
 
 GPU kernels round differently from the reference's CPU ones, and every last-bit difference is re-quantized to FP8
 at the next projection, so whole-model logits are held to the loose bounds of the fixtures' README (median
@@ -68,8 +68,99 @@ def test_fixture_logits_on_cuda(case_dir):
         assert rel <= MAX_MEDIAN_REL_L2 and top1 >= MIN_TOP1
 
 
+def test_kernels_are_no_further_from_the_reference_than_the_emulation(case_dir, monkeypatch):
+    """The same GPU, the same fixture: the kernels against the fp32 emulation (the kernels' predicate off, the
+    other CUDA formulations on), each against the reference's logits; and the emulation with every CUDA
+    formulation off (a forward that records gradients), for scale."""
+    case = load_case(case_dir)
+    model = _cuda_model(case_dir)
+    inputs = {k: v.cuda() for k, v in case.model_inputs().items()}
+    with torch.no_grad():
+        kernels = model(**inputs).logits
+    with torch.enable_grad():
+        plain = model(**inputs).logits.detach()
+    for name, module in list(sys.modules.items()):
+        if name.startswith("modeling_deepseek_v41") and hasattr(module, "kernel_path"):
+            monkeypatch.setattr(module, "kernel_path", lambda x: False)
+    with torch.no_grad():
+        emulated = model(**inputs).logits
+    for row, clean in enumerate(int(c) for c in case.expected["clean_prefix"]):
+        expected = case.expected["logits"][row, :clean]
+        k_rel, k_top1 = _agreement(kernels[row, :clean], expected)
+        e_rel, e_top1 = _agreement(emulated[row, :clean], expected)
+        p_rel, p_top1 = _agreement(plain[row, :clean], expected)
+        print(f"{Path(case_dir).name} row {row}: kernels rel L2 {k_rel:.4f} top-1 {k_top1:.3f}; emulation "
+              f"rel L2 {e_rel:.4f} top-1 {e_top1:.3f}; no CUDA formulation rel L2 {p_rel:.4f} top-1 {p_top1:.3f}")
+        assert k_rel <= max(1.5 * e_rel, e_rel + 0.01) and k_top1 >= e_top1 - 0.05
+
+
+def _first_divergence(model, run_together, run_single, k):
+    """The first module (in call order) whose output in one k-token call differs from its k one-token calls."""
+    records: dict[str, list] = {}
+    names = []
+
+    def hook(name):
+        def record(module, args, output):
+            if isinstance(output, tuple):
+                output = output[0]
+            if isinstance(output, torch.Tensor) and output.dim() >= 2:
+                if name not in records:
+                    names.append(name)
+                records.setdefault(name, []).append(output.detach().clone())
+        return record
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in model.named_modules() if n]
+    try:
+        run_together()
+        together = {n: v[0] for n, v in records.items()}
+        records.clear()
+        run_single()
+    finally:
+        for handle in handles:
+            handle.remove()
+    for name in names:
+        single = records.get(name, [])
+        first = together[name]
+        if len(single) != k:
+            continue
+        dim = 1 if first.shape[1:2] == (k,) and single[0].shape[1:2] == (1,) else 0
+        joined = torch.cat(single, dim=dim)
+        if joined.shape == first.shape and not torch.equal(joined, first):
+            return f"{name}: max abs diff {(joined.float() - first.float()).abs().max().item():.3e}"
+    return "no module output differs"
+
+
+@pytest.mark.skipif(not DEFAULT_CHECKPOINT.exists(), reason="examples/default-checkpoint is not built")
+def test_k_token_forward_equals_k_single_steps_on_cuda():
+    """Batch invariance through the kernels: a k-token forward (DSpark's verify step) gives the logits of k
+    one-token steps bit for bit. On failure, names the first module whose output differs."""
+    from modeling_deepseek_v41.cache import DeepseekV41Cache
+    from training.evaluate import text_prompts
+
+    model, processor = _default_on_cuda()
+    k = model.config.text_config.dspark_block_size + 1
+    for ids in text_prompts(processor.tokenizer, 3):
+        ids = ids.cuda()
+        prompt = ids.shape[1] - k
+        with torch.no_grad():
+            cache = DeepseekV41Cache(model.config)
+            model(input_ids=ids[:, :prompt], cache=cache)
+            caches = [copy.deepcopy(cache), copy.deepcopy(cache)]
+            together = model(input_ids=ids[:, prompt:], cache=caches[0]).logits[0]
+            single = torch.cat([model(input_ids=ids[:, t:t + 1], cache=caches[1]).logits[0]
+                                for t in range(prompt, prompt + k)])
+            if not torch.equal(together, single):
+                caches = [copy.deepcopy(cache), copy.deepcopy(cache)]
+                where = _first_divergence(
+                    model, lambda: model(input_ids=ids[:, prompt:], cache=caches[0]),
+                    lambda: [model(input_ids=ids[:, t:t + 1], cache=caches[1]) for t in range(prompt, prompt + k)],
+                    k)
+                pytest.fail(f"k-token logits differ from single steps (max {(together - single).abs().max():.3e}); "
+                            f"first differing module: {where}")
+
+
 def test_cached_decode_on_cuda_matches_the_full_forward(case_dir):
-    """Token-by-token decode steps (the gathered-expert MoE and sync-free cache writes) against one forward."""
+    """Token-by-token decode steps (the kernels and sync-free cache writes) against one forward."""
     from modeling_deepseek_v41.cache import DeepseekV41Cache
 
     model, ids, clean, prompt = _text_decode_case(case_dir)
@@ -90,19 +181,41 @@ def test_default_checkpoint_on_cuda_answers_and_drafts_losslessly():
 
     model, processor = _default_on_cuda()
     examples = heldout_questions()
-    right = 0
-    for example in examples:
+    right, differing = 0, []
+    for index, example in enumerate(examples):
         inputs = processor.apply_chat_template(example["messages"], add_generation_prompt=True, tokenize=True,
                                                return_dict=True, return_tensors="pt").to("cuda")
         plain = model.generate(**inputs, max_new_tokens=16, do_sample=False)
         drafted = model.generate(**inputs, max_new_tokens=16, do_sample=False, use_dspark=True)
-        assert torch.equal(plain, drafted)
+        if not torch.equal(plain, drafted):
+            differing.append(f"picture {index}")
         answer = processor.decode(plain[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
         right += answer == example["answer"]
     from test_default_checkpoint import ACCURACY_THRESHOLD
 
-    print(f"default checkpoint on CUDA: {right}/{len(examples)} held-out answers right")
+    print(f"default checkpoint on CUDA: {right}/{len(examples)} held-out answers right; DSpark differs from greedy "
+          f"on {len(differing)} of {len(examples)} pictures {differing}")
+    assert not differing
     assert right / len(examples) >= ACCURACY_THRESHOLD
+
+
+@pytest.mark.skipif(not DEFAULT_CHECKPOINT.exists(), reason="examples/default-checkpoint is not built")
+def test_default_checkpoint_drafts_losslessly_on_text_prompts():
+    """generate(use_dspark=True) returns plain greedy's tokens through the kernels (batch invariant verify)."""
+    from training.evaluate import text_prompts
+
+    model, processor = _default_on_cuda()
+    prompts = text_prompts(processor.tokenizer, 8)
+    differing = []
+    for index, ids in enumerate(prompts):
+        ids = ids.cuda()
+        mask = torch.ones_like(ids)
+        plain = model.generate(ids, attention_mask=mask, max_new_tokens=32, do_sample=False)
+        drafted = model.generate(ids, attention_mask=mask, max_new_tokens=32, do_sample=False, use_dspark=True)
+        if not torch.equal(plain, drafted):
+            differing.append(index)
+    print(f"DSpark differs from greedy on {len(differing)} of {len(prompts)} text prompts {differing}")
+    assert not differing
 
 
 def test_cuda_graph_decode_replays_the_eager_steps(case_dir):

@@ -19,7 +19,7 @@ if not CUDA:
 
 from modeling_deepseek_v41.kernels.triton import (  # noqa: E402
     dense_linear, fp4_linear, fp4_to_fp8_weight, fp8_act_qdq, fp8_act_quant, fp8_linear, fp8_row_linear,
-    grouped_moe,
+    grouped_linear, grouped_moe,
 )
 from modeling_deepseek_v41.kernels.triton.linear import DECODE_MAX_ROWS, split_count  # noqa: E402
 from modeling_deepseek_v41.kernels.triton.moe import expert_blocks  # noqa: E402
@@ -48,7 +48,8 @@ def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
 def _emulated_linear(x, weight, scale, storage):
     layer = DeepseekV41Linear(x.shape[-1], weight.shape[0], storage=storage).to(x.device)
     layer.weight.data, layer.scale.data = weight, scale
-    return layer(x)
+    with torch.enable_grad():  # a CUDA call without gradients would take the kernels themselves
+        return layer(x)
 
 
 FP32_BOUND = 2e-6  # normwise, exact products with fp32 accumulation (only the summation order differs)
@@ -194,6 +195,24 @@ def test_linears_are_batch_invariant():
     _check_batch_invariance(lambda t: fp4_linear(t, w4, s4), x)
     _check_batch_invariance(lambda t: dense_linear(t, wd), x)
     _check_batch_invariance(lambda t: dense_linear(t, wd.float()), x.float())
+
+
+@pytest.mark.parametrize("m", [3, DECODE_MAX_ROWS + 5])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_grouped_linear_matches_the_einsum_on_the_exact_weight(m, dtype):
+    """The attention's wo_a: each group through its rows of the FP8 weight, dequantized exactly, no activation QDQ
+    (decode rows: the Triton kernel; prefill rows: one exact copy and the einsum); and dense weights."""
+    groups, r, d = 3, 32, 160
+    w, s = _fp8_weight(groups * r, d, seed=30)
+    x = _randn(m, groups, d, seed=31, dtype=dtype)
+    exact = numerics.dequantize_fp8_weight(w, s, dtype).view(groups, r, d)
+    ref = torch.einsum("mgd,grd->mgr", x.double(), exact.double()).to(dtype)
+    _assert_close_to_emulation(grouped_linear(x, w, s, groups), ref, dtype)
+    wd = _randn(groups * r, d, seed=32, scale=0.05, dtype=dtype)
+    ref = torch.einsum("mgd,grd->mgr", x.double(), wd.view(groups, r, d).double()).to(dtype)
+    _assert_close_to_emulation(grouped_linear(x, wd, None, groups), ref, dtype)
+    if m <= DECODE_MAX_ROWS:
+        _check_batch_invariance(lambda t: grouped_linear(t, w, s, groups), x)
 
 
 def test_bad_inputs_raise():

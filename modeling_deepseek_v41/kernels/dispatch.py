@@ -1,5 +1,6 @@
 """Accelerator fast paths: small pure functions compiled into fused kernels on first use (decode is
-launch-bound on a GPU). Compilation is lazy, so importing the model never imports the compiler."""
+launch-bound on a GPU), and the predicate that sends the linears and the MoE to the Triton kernels. Compilation
+and the kernels are imported lazily, so importing the model never imports the compiler or triton."""
 
 from __future__ import annotations
 
@@ -19,3 +20,9 @@ def fast_path(x: torch.Tensor) -> bool:
     """Whether the accelerator formulations apply to `x`: CUDA inference outside float64. They may differ from
     the CPU reference path in the last bits, so the CPU (and every float64 run) keeps the exact path."""
     return x.is_cuda and x.dtype != torch.float64 and not torch.is_grad_enabled()
+
+
+def kernel_path(x: torch.Tensor) -> bool:
+    """Whether `x` goes through the Triton kernels (kernels/triton/): CUDA inference outside float64. They have no
+    backward, so a call that records gradients keeps the emulation (as does an empty one: no launch)."""
+    return x.is_cuda and x.dtype != torch.float64 and not torch.is_grad_enabled() and x.numel() > 0

@@ -12,6 +12,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from .dispatch import kernel_path
+from .gpu_linear import dense_kernel_applies, gpu_linear
 from .numerics import (
     WEIGHT_BLOCK, compute_dtype, dequantize_fp4_weight, dequantize_fp8_weight, fp8_act_qdq, weight_dtype,
 )
@@ -23,7 +25,10 @@ _ROW_MULTIPLE = 4
 
 
 def row_invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """F.linear(x, weight), padded to a multiple of 4 rows for fp32/float64 so results are row-count invariant."""
+    """F.linear(x, weight), padded to a multiple of 4 rows for fp32/float64 so results are row-count invariant
+    (on CUDA: the batch-invariant dense kernel)."""
+    if kernel_path(x) and dense_kernel_applies(weight):
+        return gpu_linear(x, STORAGE_DENSE, weight, None)
     if x.dtype not in (torch.float32, torch.float64) or x.device.type != "cpu":
         return F.linear(x, weight)
     rows = x.reshape(-1, x.shape[-1])
@@ -82,6 +87,8 @@ class DeepseekV41Linear(nn.Module):
         return self.weight.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if kernel_path(x) and (self.is_quantized or dense_kernel_applies(self.weight)):
+            return gpu_linear(x, self.storage, self.weight, self.scale)
         if not self.is_quantized:
             return row_invariant_linear(x.to(self.weight.dtype), self.weight)
         x = fp8_act_qdq(x)

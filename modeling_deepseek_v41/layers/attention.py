@@ -13,6 +13,8 @@ from ..config.layer_plan import LayerSpec
 from ..kernels.linear import DeepseekV41RMSNorm
 from ..kernels.numerics import fp4_quantize_rows, fp8_act_qdq, weight_dtype
 from ..kernels.linear import DeepseekV41Linear
+from ..kernels.dispatch import kernel_path
+from ..kernels.gpu_linear import grouped_linear
 from .rotary import apply_rope_tail, rope_angles
 from ..kernels.sparse_attention import sparse_attention
 
@@ -92,8 +94,12 @@ class DeepseekV41Attention(nn.Module):
     def _output(self, o: torch.Tensor) -> torch.Tensor:
         batch, seq = o.shape[:2]
         o = o.reshape(batch, seq, self.n_groups, -1)
-        wo_a = self.wo_a.dense_weight(o.dtype).view(self.n_groups, self.o_lora_rank, -1)
-        o = torch.einsum("bsgd,grd->bsgr", o, wo_a)
+        if kernel_path(o) and (self.o_lora_rank % 32 == 0 or not self.wo_a.is_quantized):
+            # FP8 tiles dequantized in the kernel (no whole-weight copy per call); batch invariant for decode
+            o = grouped_linear(o, self.wo_a.weight, self.wo_a.scale, self.n_groups)
+        else:
+            wo_a = self.wo_a.dense_weight(o.dtype).view(self.n_groups, self.o_lora_rank, -1)
+            o = torch.einsum("bsgd,grd->bsgr", o, wo_a)
         return self.wo_b(o.flatten(2))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotation: torch.Tensor, inv_freq: torch.Tensor,

@@ -8,7 +8,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..kernels.dispatch import fast_path
+from ..kernels.dispatch import fast_path, kernel_path
+from ..kernels.gpu_linear import grouped_moe
 from ..kernels.numerics import compute_dtype, dequantize_fp4_weight, fp8_act_qdq, weight_dtype
 from ..kernels.linear import STORAGE_FP8, DeepseekV41Linear
 from ..kernels.linear import row_invariant_linear
@@ -180,10 +181,14 @@ class DeepseekV41MoE(nn.Module):
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         weights, experts, logits = self.gate(tokens, None if image_mask is None else image_mask.reshape(-1))
+        stack = self._expert_stack(tokens)
+        if stack is not None and kernel_path(tokens):  # one grouped launch per projection, any token count
+            routed = grouped_moe(tokens, experts, weights, stack.tensors(), self.experts[0].swiglu_limit)
+            y = routed.to(compute_dtype(x)) + self.shared_experts(tokens)
+            return y.to(x.dtype).view(shape), logits, experts
         order = experts.argsort(dim=-1, stable=True)  # per token, visit its experts in ascending id
         sorted_experts = experts.gather(1, order)
         sorted_weights = weights.gather(1, order)
-        stack = self._expert_stack(tokens)
         if stack is not None:
             contributions = gathered_swiglu(tokens, sorted_experts, sorted_weights, self.experts[0].swiglu_limit,
                                             *stack.tensors())
@@ -211,8 +216,11 @@ class DeepseekV41MoE(nn.Module):
         return contributions
 
     def _expert_stack(self, tokens: torch.Tensor) -> ExpertStack | None:
-        """The stacked expert weights when this call takes the gathered path (few tokens on an accelerator)."""
-        if not fast_path(tokens) or tokens.shape[0] > GATHER_MAX_TOKENS or self.expert_range is not None:
+        """The stacked expert weights when this call takes the grouped kernel (CUDA inference) or the gathered path
+        (few tokens, the accelerator formulation); None with expert parallelism (each rank runs its own experts)."""
+        if self.expert_range is not None:
+            return None
+        if not kernel_path(tokens) and (not fast_path(tokens) or tokens.shape[0] > GATHER_MAX_TOKENS):
             return None
         if self._stack is None or (not torch.compiler.is_compiling()
                                    and self._stack.key != ExpertStack.key_of(self.experts)):
