@@ -60,7 +60,7 @@ def build(config: DeepseekV41Config) -> DeepseekV41ForCausalLM:
         model = DeepseekV41ForCausalLM(config).eval()
     text = config.text_config
     with torch.no_grad():
-        if hasattr(model, "engram_token_map"):
+        if hasattr(model.model, "engram_token_map"):
             model.model.engram_token_map.copy_(torch.arange(text.vocab_size, device="cuda")
                                          % text.engram_compressed_vocab_size)
     return model
@@ -71,6 +71,7 @@ def step_bytes(model: DeepseekV41ForCausalLM, batch: int) -> int:
     text = model.config.text_config
     total = 0
     for name, param in model.named_parameters():
+        name = name.removeprefix("model.")  # the base model's names are the hub's
         if name.startswith(("embed.", "mtp.", "vision.", "aligner.")) or ".engram.embed." in name:
             continue
         size = param.numel() * param.element_size()

@@ -98,7 +98,7 @@ def test_generate_stops_on_all_nan_logits_even_when_removing_invalid_values(mode
 
     broken = random_model(dtype=torch.float64, seed=5)
     with torch.no_grad():
-        broken.head.weight.fill_(float("nan"))
+        broken.lm_head.weight.fill_(float("nan"))
     for remove in (False, True):
         with pytest.raises(InvalidLogitsError, match="every logit of row 0 is NaN"):
             broken.generate(_ids(), attention_mask=_mask(), max_new_tokens=3, do_sample=False, pad_token_id=2,

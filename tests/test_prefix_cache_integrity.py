@@ -37,7 +37,7 @@ def test_restore_into_a_model_with_other_expert_weights_is_refused(saved):
     model, _, path, _ = saved
     tuned = copy.deepcopy(model)
     with torch.no_grad():  # an expert-only fine-tune of one element in a layer that feeds the pools
-        tuned.layers[1].ffn.experts[0].w1.weight[0, 0] += 1e-3
+        tuned.model.layers[1].ffn.experts[0].w1.weight[0, 0] += 1e-3
     with pytest.raises(ValueError, match="weights that produce the stored KV differ"):
         DeepseekV41Cache.load(path, tuned)
 
@@ -45,7 +45,7 @@ def test_restore_into_a_model_with_other_expert_weights_is_refused(saved):
 def test_restore_into_a_model_with_another_token_map_is_refused(saved):
     model, _, path, _ = saved
     other = copy.deepcopy(model)
-    other.engram_token_map[7] = (other.engram_token_map[7] + 1) % other.config.text_config.engram_compressed_vocab_size
+    other.model.engram_token_map[7] = (other.model.engram_token_map[7] + 1) % other.config.text_config.engram_compressed_vocab_size
     with pytest.raises(ValueError, match="Engram token map differs"):
         DeepseekV41Cache.load(path, other)
 
@@ -65,7 +65,7 @@ def test_weights_that_do_not_feed_the_pools_may_change(saved):
     model, ids, path, _ = saved
     tuned = copy.deepcopy(model)
     with torch.no_grad():
-        tuned.head.weight.mul_(1.5)
+        tuned.lm_head.weight.mul_(1.5)
     DeepseekV41Cache.load(path, tuned)
 
 
