@@ -12,7 +12,7 @@ from transformers import initialization as init
 from transformers.utils import logging
 
 from ..config.configuration_deepseek_v41 import DeepseekV41Config, config_without_dspark
-from ..kernels.linear import STORAGE_FP4, STORAGE_FP8, DeepseekV41Linear, DeepseekV41RMSNorm
+from ..kernels.linear import STORAGE_FP4, STORAGE_FP8, DeepseekV41RMSNorm, DeepseekV41Weight
 from ..kernels.numerics import quantize_fp4_weight, quantize_fp8_weight
 from ..layers.block import DeepseekV41Block
 from ..layers.engram import DeepseekV41Engram, DeepseekV41EngramTable
@@ -38,7 +38,7 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         std = self.config.text_config.initializer_range
-        if isinstance(module, DeepseekV41Linear):
+        if isinstance(module, DeepseekV41Weight):
             if module.storage in (STORAGE_FP8, STORAGE_FP4):
                 quantize = quantize_fp8_weight if module.storage == STORAGE_FP8 else quantize_fp4_weight
                 weight, scale = quantize(torch.randn(module.out_features, module.in_features) * std)
