@@ -11,11 +11,11 @@ import time
 from dataclasses import dataclass
 
 import torch
-from transformers import GenerationMixin
 
 from ..cache.cache import DeepseekV41Cache
 from ..cache.graph_decoder import GenerationGraphs, check_graph_decoding
 from .dspark import DSparkCandidateGenerator, dspark_generation_config
+from .generation_options import GenerationOptionsMixin
 
 
 @dataclass
@@ -27,7 +27,7 @@ class GenerationRun:
     drafter: DSparkCandidateGenerator | None = None  # drafts candidates (use_dspark=True)
 
 
-class DeepseekV41GenerationMixin(GenerationMixin):
+class DeepseekV41GenerationMixin(GenerationOptionsMixin):
     """transformers' generation with this model's cache, drafter and graph decoder."""
 
     @property

@@ -18,7 +18,9 @@ from ..layers.block import DeepseekV41Block
 from ..layers.engram import DeepseekV41Engram, DeepseekV41EngramTable
 from ..loading import loader
 from ..loading.checkpoint_layout import checkpoint_has_prefix
+from ..loading.parameter_count import logical_num_parameters
 from ..loading.tensor_parallel import localize_parameters, register_parallel_styles
+from .load_options import apply_weight_mode
 
 logger = logging.get_logger(__name__)
 
@@ -111,8 +113,7 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
         if hasattr(model, "engram_token_map") and bool((model.engram_token_map < 0).any()):
             model.build_engram_token_map(loader.load_tokenizer_for_token_map(pretrained_model_name_or_path,
                                                                              **hub_kwargs))
-        if model.config.weight_mode == "bf16" and model.quantized:
-            model.dequantize_weights()
+        apply_weight_mode(model, kwargs)
         return loaded
 
     @classmethod
@@ -150,6 +151,9 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
         token_map = loader.compressed_token_map(tokenizer, text.vocab_size, text.engram_compressed_vocab_size)
         with torch.no_grad():
             self.engram_token_map.copy_(token_map.to(self.engram_token_map.device))
+
+    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+        return logical_num_parameters(self, only_trainable, exclude_embeddings)
 
     def dequantize_weights(self, dtype: torch.dtype = torch.bfloat16) -> None:
         """Switch to the bf16 weight mode: dequantize every FP8/FP4 weight exactly, drop the scales, and drop the
