@@ -46,3 +46,15 @@ def add_lora(model, **kwargs):
     from peft import get_peft_model
 
     return get_peft_model(model, lora_config(**kwargs))
+
+
+def adapter_weights(model, r: int = 8, target_modules: str | None = None) -> int:
+    """How many LoRA weights `lora_config(r=r)` adds to `model`: r x (in + out) per matched linear (works on the
+    meta device, so it sizes the released model without its weights)."""
+    import re
+
+    from torch import nn
+
+    pattern = re.compile(target_modules or target_regex())
+    return sum(r * (module.in_features + module.out_features) for name, module in model.named_modules()
+               if isinstance(module, nn.Linear) and pattern.fullmatch(name))
