@@ -119,8 +119,8 @@ def test_lora_on_the_shipped_fp8_fp4_weights_through_trainer(tmp_path):
 
     base = dict(peft_model.get_base_model().named_parameters())
     for name, value in before.items():
-        now = base[name] if name in base else base[name.replace(".weight", ".base_layer.weight")
-                                                    .replace(".scale", ".base_layer.scale")]
+        module, _, leaf = name.rpartition(".")
+        now = base[name] if name in base else base[f"{module}.base_layer.{leaf}"]
         assert now.dtype == value.dtype and torch.equal(now.view(torch.uint8) if now.element_size() == 1 else now,
                                                         value.view(torch.uint8) if value.element_size() == 1
                                                         else value), name
