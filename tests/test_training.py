@@ -108,7 +108,7 @@ def test_moe_balance_loss_reaches_the_gates():
     assert model.model.layers[0].ffn.gate.bias.grad is None  # the routing biases are not trained by gradient
 
 
-def test_lora_wraps_custom_linears_and_trains_only_adapters(tmp_path):
+def test_lora_wraps_the_projections_and_trains_only_adapters(tmp_path):
     pytest.importorskip("peft")
     from training.lora import add_lora
 
@@ -132,12 +132,12 @@ def test_lora_wraps_custom_linears_and_trains_only_adapters(tmp_path):
         key = name if name in after else name.replace(".weight", ".base_layer.weight")
         assert torch.equal(after[key], value), name
     # saved adapters attach again to a fresh copy of the base model and give the same logits
-    from training.lora import load_lora
+    from peft import PeftModel
 
     peft_model.save_pretrained(tmp_path)
     expected = peft_model(input_ids=batch["input_ids"]).logits
     fresh = random_model(tiny_config(vision=False), dtype=torch.float32)
-    reloaded = load_lora(fresh, tmp_path)
+    reloaded = PeftModel.from_pretrained(fresh, tmp_path)
     torch.testing.assert_close(reloaded(input_ids=batch["input_ids"]).logits, expected)
 
 

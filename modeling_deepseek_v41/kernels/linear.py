@@ -41,23 +41,50 @@ def row_invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-class DeepseekV41Linear(nn.Module):
-    """y = x W^T with the reference's dispatch on the weight's storage.
+def quantized_linear_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, storage: str) -> torch.Tensor:
+    """The reference's block-scaled GEMM: FP8 activation QDQ, then fp32 matmul of the exactly dequantized weight."""
+    dense = (dequantize_fp8_weight if storage == STORAGE_FP8 else dequantize_fp4_weight)(weight, scale, torch.float32)
+    q = fp8_act_qdq(x)
+    return row_invariant_linear(q.float(), dense).to(q.dtype)
+
+
+class QuantizedLinearFunction(torch.autograd.Function):
+    """The quantized linear with a backward for the input only: forward is the exact emulation, the input gradient
+    goes through the dequantized weight (straight through the activation QDQ) and the frozen FP8/FP4 weight gets
+    none. Only the stored weight is kept for backward (no fp32 copy), so adapters train at the shipped precision."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, storage: str) -> torch.Tensor:
+        ctx.save_for_backward(weight, scale)
+        ctx.storage = storage
+        return quantized_linear_reference(x, weight, scale, storage)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        weight, scale = ctx.saved_tensors
+        dequantize = dequantize_fp8_weight if ctx.storage == STORAGE_FP8 else dequantize_fp4_weight
+        grad_x = grad_out.float() @ dequantize(weight, scale, torch.float32)
+        return grad_x.to(grad_out.dtype), None, None, None
+
+
+class DeepseekV41Weight(nn.Module):
+    """A weight stored as the checkpoint stores it, with its exact dequantization.
 
     - fp8: weight e4m3 [out, in] plus `scale` E8M0 [ceil(out/32), ceil(in/32)].
     - fp4: weight packed e2m1 [out, in/2] (int8, as the checkpoint stores it) plus `scale` E8M0 [out, in/32].
-    - dense: a plain weight of `dtype`; the input is cast to that dtype (fp32 weights run fp32 linears).
+    - dense: a plain weight of `dtype`.
 
-    Quantized weights take the FP8 activation QDQ (per-token groups of 32, power-of-two scales) and multiply
-    the exactly dequantized operands in fp32, which reproduces the reference's block-scaled GEMM.
+    Used as such for the attention's grouped output projection `wo_a` (applied by an einsum on its weight, so not
+    a linear layer: PEFT's "all-linear" leaves it out); `DeepseekV41Linear` adds the forward.
     """
 
     def __init__(self, in_features: int, out_features: int, storage: str = STORAGE_DENSE,
                  dtype: torch.dtype = torch.bfloat16) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # not nn.Linear.__init__: it would allocate a dense weight and a bias
         self.in_features = in_features
         self.out_features = out_features
         self.storage = storage
+        self.register_parameter("bias", None)
         if storage == STORAGE_FP8:
             self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn),
                                        requires_grad=False)
@@ -86,14 +113,6 @@ class DeepseekV41Linear(nn.Module):
             return dequantize_fp4_weight(self.weight, self.scale, dtype)
         return self.weight.to(dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if kernel_path(x) and (self.is_quantized or dense_kernel_applies(self.weight)):
-            return gpu_linear(x, self.storage, self.weight, self.scale)
-        if not self.is_quantized:
-            return row_invariant_linear(x.to(self.weight.dtype), self.weight)
-        x = fp8_act_qdq(x)
-        return row_invariant_linear(x.float(), self.dense_weight(torch.float32)).to(x.dtype)
-
     @torch.no_grad()
     def dequantize_(self, dtype: torch.dtype = torch.bfloat16) -> None:
         """Replace quantized storage by a dense weight of `dtype` (the bf16 weight mode)."""
@@ -107,6 +126,41 @@ class DeepseekV41Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, storage={self.storage}"
+
+
+class DeepseekV41Linear(DeepseekV41Weight, nn.Linear):
+    """y = x W^T with the reference's dispatch on the weight's storage (see `DeepseekV41Weight`).
+
+    Dense weights: the input is cast to the weight's dtype (fp32 weights run fp32 linears). Quantized weights take
+    the FP8 activation QDQ (per-token groups of 32, power-of-two scales) and multiply the exactly dequantized
+    operands in fp32, which reproduces the reference's block-scaled GEMM.
+
+    A `torch.nn.Linear` (without bias) in every storage, so PEFT and transformers treat it as a linear layer: LoRA
+    wraps it by PEFT's own dispatch, `target_modules="all-linear"` finds it. Quantized weights are frozen (their
+    backward gives the input gradient only); training them is refused with the two ways out.
+    """
+
+    def reset_parameters(self) -> None:
+        """Initialisation is the model's `_init_weights` (it knows the storage formats)."""
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype adapters attached to this layer use (PEFT reads it): fp32 beside FP8/FP4 weights."""
+        return torch.float32 if self.is_quantized else self.weight.dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.is_quantized:
+            return row_invariant_linear(x.to(self.weight.dtype), self.weight)
+        if kernel_path(x):  # CUDA inference: the Triton kernels read the stored FP8/FP4 bytes
+            return gpu_linear(x, self.storage, self.weight, self.scale)
+        if self.training and torch.is_grad_enabled() and (self.weight.requires_grad or self.scale.requires_grad):
+            raise ValueError(
+                "The FP8/FP4 weights of a quantized DeepSeek-V4.1 model cannot be trained. Either attach adapters "
+                "(e.g. peft.get_peft_model(model, LoraConfig(target_modules=...))), which freezes these weights and "
+                "trains on them as shipped, or load with weight_mode=\"bf16\" for full fine-tuning.")
+        if torch.is_grad_enabled() and x.requires_grad:
+            return QuantizedLinearFunction.apply(x, self.weight, self.scale, self.storage)
+        return quantized_linear_reference(x, self.weight, self.scale, self.storage)
 
 
 class DeepseekV41RMSNorm(nn.Module):

@@ -12,9 +12,9 @@ from .indexer import DeepseekV41Indexer
 from ..config.layer_plan import LayerSpec
 from ..kernels.linear import DeepseekV41RMSNorm
 from ..kernels.numerics import fp4_quantize_rows, fp8_act_qdq, weight_dtype
-from ..kernels.linear import DeepseekV41Linear
 from ..kernels.dispatch import kernel_path
 from ..kernels.gpu_linear import grouped_linear
+from ..kernels.linear import DeepseekV41Linear, DeepseekV41Weight
 from .rotary import apply_rope_tail, rope_angles
 from ..kernels.sparse_attention import sparse_attention
 
@@ -59,7 +59,7 @@ class DeepseekV41Attention(nn.Module):
         self.wkv = DeepseekV41Linear(config.hidden_size, self.head_dim, storage=fp8)
         self.kv_norm = DeepseekV41RMSNorm(self.head_dim, config.rms_norm_eps)
         # block-diagonal over groups: applied as a grouped einsum, in bf16 (exact dequantization of the FP8 bytes)
-        self.wo_a = DeepseekV41Linear(self.n_heads * self.head_dim // self.n_groups, self.n_groups * self.o_lora_rank,
+        self.wo_a = DeepseekV41Weight(self.n_heads * self.head_dim // self.n_groups, self.n_groups * self.o_lora_rank,
                                       storage=fp8)
         self.wo_b = DeepseekV41Linear(self.n_groups * self.o_lora_rank, config.hidden_size, storage=fp8)
         if spec.owns_pool:

@@ -42,3 +42,20 @@ def count_parameters(model: nn.Module) -> dict[str, int]:
     counts["backbone"] = sum(v for k, v in counts.items() if k not in excluded)
     counts["total"] = sum(v for k, v in counts.items() if k != "backbone")
     return counts
+
+
+def logical_num_parameters(model: nn.Module, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+    """`PreTrainedModel.num_parameters` in weights rather than stored elements: packed FP4 bytes count two, E8M0
+    scales none (a quantized model and its bf16 weight mode give the same count; stored bytes:
+    `get_memory_footprint()`)."""
+    storage = {f"{name}.weight": module.storage for name, module in model.named_modules() if hasattr(module, "storage")}
+    embeddings = {f"{name}.weight" for name, module in model.named_modules() if isinstance(module, nn.Embedding)}
+    total = 0
+    for name, tensor in model.named_parameters():
+        if (name.endswith(".scale") and tensor.dtype == torch.float8_e8m0fnu) or (only_trainable and
+                                                                                   not tensor.requires_grad):
+            continue
+        if exclude_embeddings and name in embeddings:
+            continue
+        total += logical_numel(name, tensor, storage)
+    return total

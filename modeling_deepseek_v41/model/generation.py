@@ -17,6 +17,7 @@ from transformers import GenerationMixin
 from ..cache.cache import DeepseekV41Cache
 from ..cache.graph_decoder import GenerationGraphs, check_graph_decoding
 from .dspark import DSparkCandidateGenerator, dspark_generation_config
+from .generation_options import GenerationOptionsMixin, extend_token_types
 from .inputs import check_generate_inputs
 from .invalid_logits import with_invalid_logits_check
 
@@ -32,7 +33,7 @@ class GenerationRun:
     drafter: DSparkCandidateGenerator | None = None  # drafts candidates (use_dspark=True)
 
 
-class DeepseekV41GenerationMixin(GenerationMixin):
+class DeepseekV41GenerationMixin(GenerationOptionsMixin):
     """transformers' generation with this model's cache, drafter and graph decoder."""
 
     _get_logits_processor = with_invalid_logits_check(GenerationMixin._get_logits_processor)
@@ -164,7 +165,8 @@ class DeepseekV41GenerationMixin(GenerationMixin):
         if continuing:
             for key in ("pixel_values", "image_grids"):
                 model_inputs.pop(key, None)
-        elif token_types is not None:
+        elif token_types is not None:  # generated tokens are text: the prompt's types grow with the sequence
             width = model_inputs["input_ids"].shape[1]
-            model_inputs["token_types"] = token_types[:, -width:]
+            types = extend_token_types(token_types, input_ids.shape[-1] - token_types.shape[-1])
+            model_inputs["token_types"] = types[:, -width:]
         return model_inputs

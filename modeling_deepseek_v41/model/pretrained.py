@@ -12,14 +12,16 @@ from transformers import initialization as init
 from transformers.utils import logging
 
 from ..config.configuration_deepseek_v41 import DeepseekV41Config, config_without_dspark
-from ..kernels.linear import STORAGE_FP4, STORAGE_FP8, DeepseekV41Linear, DeepseekV41RMSNorm
+from ..kernels.linear import STORAGE_FP4, STORAGE_FP8, DeepseekV41RMSNorm, DeepseekV41Weight
 from ..kernels.numerics import quantize_fp4_weight, quantize_fp8_weight
 from ..layers.block import DeepseekV41Block
 from ..layers.engram import DeepseekV41Engram, DeepseekV41EngramTable
 from ..loading import loader
 from ..loading.checkpoint_layout import checkpoint_has_prefix
+from ..loading.parameter_count import logical_num_parameters
 from ..loading.tensor_parallel import localize_parameters, register_parallel_styles
 from ..loading.weight_checks import with_load_checks
+from .load_options import apply_weight_mode
 
 logger = logging.get_logger(__name__)
 
@@ -39,7 +41,7 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         std = self.config.text_config.initializer_range
-        if isinstance(module, DeepseekV41Linear):
+        if isinstance(module, DeepseekV41Weight):
             if module.storage in (STORAGE_FP8, STORAGE_FP4):
                 quantize = quantize_fp8_weight if module.storage == STORAGE_FP8 else quantize_fp4_weight
                 weight, scale = quantize(torch.randn(module.out_features, module.in_features) * std)
@@ -118,8 +120,7 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
             else:
                 base.build_engram_token_map(loader.load_tokenizer_for_token_map(pretrained_model_name_or_path,
                                                                                 **hub_kwargs))
-        if model.config.weight_mode == "bf16" and base.quantized:
-            model.dequantize_weights()
+        apply_weight_mode(model, kwargs)
         return loaded
 
     @classmethod
@@ -160,6 +161,9 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
     def save_pretrained(self, *args, **kwargs):
         loader.check_savable(self)
         return super().save_pretrained(*args, **kwargs)
+
+    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+        return logical_num_parameters(self, only_trainable, exclude_embeddings)
 
     def dequantize_weights(self, dtype: torch.dtype = torch.bfloat16) -> None:
         """Switch to the bf16 weight mode: dequantize every FP8/FP4 weight exactly, drop the scales, and drop the
