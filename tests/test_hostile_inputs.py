@@ -140,7 +140,7 @@ def test_non_finite_loaded_weights_are_named_unless_skipped(tmp_path, edit, name
     with pytest.raises(ValueError, match=f"'{name}'.*{kind}.*check_finite=False"):
         AutoModelForCausalLM.from_pretrained(folder)
     loaded = AutoModelForCausalLM.from_pretrained(folder, check_finite=False)  # skipped on request: it loads
-    broken = loaded.get_parameter(name).detach()
+    broken = loaded.get_parameter(f"model.{name}").detach()  # the hub name under the base model
     assert bool(torch.isnan(broken.float()).any()) if broken.dtype != torch.float8_e8m0fnu else \
         bool((broken.view(torch.uint8) == 0xFF).any())
 

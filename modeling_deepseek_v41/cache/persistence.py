@@ -39,7 +39,7 @@ def content_checksum(metadata: dict[str, str], tensors: dict[str, torch.Tensor])
 
 def compressed_history(model, tokens: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
     """The Engram history of saved token ids: compressed ids, dead at image-span positions and padding."""
-    if not hasattr(model, "engram_token_map"):
+    if not hasattr(model.base_model, "engram_token_map"):
         return torch.full_like(tokens, DEAD)
     dead = ~real | (tokens == model.config.image_token_id)
     return model.base_model.engram_token_map[tokens].masked_fill(dead, DEAD)

@@ -9,6 +9,7 @@ import functools
 import torch
 
 from .checkpoint_layout import check_checkpoint_path
+from .loader import hub_name
 
 CHECK_CHUNK = 1 << 26  # elements reduced at once: bounds the temporary mask of one large expert tensor
 
@@ -40,7 +41,7 @@ def check_finite_weights(model) -> None:
             tensor = dict(tensors)[name]
             kind = "an E8M0 scale byte 0xFF (NaN)" if tensor.dtype == torch.float8_e8m0fnu else "NaN or Inf values"
             raise ValueError(
-                f"The loaded weight {name!r} ({tensor.dtype}, shape {tuple(tensor.shape)}) holds {kind}: the "
+                f"The loaded weight {hub_name(name)!r} ({tensor.dtype}, shape {tuple(tensor.shape)}) holds {kind}: the "
                 "checkpoint is corrupted or was converted from non-finite weights. Re-download or re-convert it; "
                 "pass check_finite=False to from_pretrained to load it anyway."
             )
