@@ -16,8 +16,21 @@ from reference_cases import model_case_dirs  # noqa: E402
 
 
 
+def pytest_addoption(parser):
+    parser.addoption("--runslow", action="store_true", help="also run the tests marked slow")
+
+
 def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: heavier tests, excluded by -m 'not slow'")
+    config.addinivalue_line("markers", "slow: heavier tests, run only with --runslow")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--runslow"):
+        return
+    skip = pytest.mark.skip(reason="marked slow: run with --runslow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
 
 
 def pytest_generate_tests(metafunc):
