@@ -19,7 +19,7 @@ from conversion_scripts.convert_native_to_hub import convert_native_to_hub
 from conversion_scripts.convert_native_to_hub import main as native_to_hub_main
 from conversion_scripts.safetensors_io import tensor_sources
 from conversion_scripts.streaming import MANIFEST, NonFiniteWeightError, file_digest, partial_dir
-from modeling_deepseek_v41.numerics import dequantize_fp8_weight
+from modeling_deepseek_v41.kernels.numerics import dequantize_fp8_weight
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "tiny-text" / "checkpoint"
 FIRST, SECOND = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
