@@ -60,14 +60,14 @@ def quantized_weight_kinds(config) -> dict[str, str]:
     """weight name -> KIND_* for every weight the hub stores quantized (its scale is `scale_name(name)`)."""
     from modeling_deepseek_v41.layers.engram import DeepseekV41EngramTable
     from modeling_deepseek_v41.model.causal_lm import DeepseekV41ForCausalLM
-    from modeling_deepseek_v41.kernels.linear import STORAGE_FP4, STORAGE_FP8, DeepseekV41Linear
+    from modeling_deepseek_v41.kernels.linear import STORAGE_FP4, STORAGE_FP8, DeepseekV41Weight
     from modeling_deepseek_v41.loading.loader import hub_name
 
     with torch.device("meta"):
         model = DeepseekV41ForCausalLM(with_weight_mode(config, "quantized"))
     kinds = {}
     for name, module in model.named_modules():
-        if isinstance(module, DeepseekV41Linear) and module.storage in (STORAGE_FP8, STORAGE_FP4):
+        if isinstance(module, DeepseekV41Weight) and module.storage in (STORAGE_FP8, STORAGE_FP4):
             kinds[hub_name(f"{name}.weight")] = KIND_FP8_TILE if module.storage == STORAGE_FP8 else KIND_FP4
         elif isinstance(module, DeepseekV41EngramTable) and module.quantized:
             kinds[hub_name(f"{name}.weight")] = KIND_FP8_ROWS
