@@ -11,6 +11,10 @@ import torch
 
 
 def _reads_values(input_ids: torch.Tensor) -> bool:
+    """Whether checks that read tensor values run: never while tracing (a compiled or exported step cannot read
+    them), and on an accelerator not for one-token steps (no host sync in decoding)."""
+    if torch.compiler.is_compiling():
+        return False
     return input_ids.device.type == "cpu" or input_ids.shape[1] > 1
 
 
