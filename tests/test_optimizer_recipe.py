@@ -49,7 +49,7 @@ def test_headwise_update_is_orthogonal_per_head(vision_model):
     attn = vision_model.model.layers[0].attn
     weight = attn.wq_b.weight.detach().clone()
     rules = parameter_rules(vision_model)
-    block = rules["layers.0.attn.wq_b.weight"].block_rows
+    block = rules["model.layers.0.attn.wq_b.weight"].block_rows
     assert block == attn.head_dim
     torch.manual_seed(1)
     grad = torch.randn_like(weight)
@@ -185,8 +185,8 @@ def test_rules_and_groups_cover_every_parameter_once(vision_model):
         if not p.requires_grad:
             assert rules[name].kind in (ROUTER_BIAS, FROZEN)
     kinds = {name: rule.kind for name, rule in rules.items()}
-    assert kinds["layers.0.ffn.gate.bias_vl"] == ROUTER_BIAS
-    for name in ("embed.weight", "head.weight", "layers.1.engram.embed.weight"):
+    assert kinds["model.layers.0.ffn.gate.bias_vl"] == ROUTER_BIAS
+    for name in ("model.embed.weight", "lm_head.weight", "model.layers.1.engram.embed.weight"):
         assert kinds[name] == SINKHORN
     for name in ("layers.1.engram.wkv.weight", "aligner.w1.weight", "layers.1.attn.wkv.weight",
                  "layers.1.attn.indexer.wk.weight", "vision.patch_embed.proj.weight",

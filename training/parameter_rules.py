@@ -53,7 +53,7 @@ def rule_for(model: nn.Module, name: str, shape: tuple[int, ...], requires_grad:
         return ParamRule(ROUTER_BIAS if re.search(r"gate\.bias(_vl)?$", name) else FROZEN)
     if name.endswith("engram.embed.weight"):
         return ParamRule(SINKHORN, lr_scale=ENGRAM_LR_SCALE)
-    if re.search(r"(^|\.)(embed|head)\.weight$", name) and len(shape) == 2:
+    if re.search(r"(^|\.)(embed|head|lm_head)\.weight$", name) and len(shape) == 2:
         # token embedding, output head, and the DSpark Markov head's vocabulary tables: rows are token identities
         return ParamRule(SINKHORN)
     if name.endswith(("engram.q_weight", "engram.k_weight")):  # per-stream gains, like norm weights
