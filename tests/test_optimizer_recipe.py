@@ -188,21 +188,21 @@ def test_rules_and_groups_cover_every_parameter_once(vision_model):
     assert kinds["model.layers.0.ffn.gate.bias_vl"] == ROUTER_BIAS
     for name in ("model.embed.weight", "lm_head.weight", "model.layers.1.engram.embed.weight"):
         assert kinds[name] == SINKHORN
-    for name in ("layers.1.engram.wkv.weight", "aligner.w1.weight", "layers.1.attn.wkv.weight",
-                 "layers.1.attn.indexer.wk.weight", "vision.patch_embed.proj.weight",
-                 "layers.0.ffn.experts.0.w1.weight"):
+    for name in ("model.layers.1.engram.wkv.weight", "model.aligner.w1.weight", "model.layers.1.attn.wkv.weight",
+                 "model.layers.1.attn.indexer.wk.weight", "model.vision.patch_embed.proj.weight",
+                 "model.layers.0.ffn.experts.0.w1.weight"):
         assert kinds[name] == MUON and rules[name].block_rows is None
     text = vision_model.config.text_config
-    assert rules["layers.1.attn.indexer.wq_b.weight"].block_rows == text.index_head_dim
-    assert rules["layers.0.attn.wo_a.weight"].block_rows == text.o_lora_rank
-    assert rules["layers.0.attn_norm.weight"] == rules["vision.blocks.0.norm1.weight"]
-    assert rules["layers.0.attn_norm.weight"].kind == ADAMW and rules["layers.0.attn_norm.weight"].decay
-    for name in ("aligner.w1.bias", "layers.0.hc_attn_scale", "layers.0.hc_attn_base", "layers.0.attn.attn_sink"):
+    assert rules["model.layers.1.attn.indexer.wq_b.weight"].block_rows == text.index_head_dim
+    assert rules["model.layers.0.attn.wo_a.weight"].block_rows == text.o_lora_rank
+    assert rules["model.layers.0.attn_norm.weight"] == rules["model.vision.blocks.0.norm1.weight"]
+    assert rules["model.layers.0.attn_norm.weight"].kind == ADAMW and rules["model.layers.0.attn_norm.weight"].decay
+    for name in ("model.aligner.w1.bias", "model.layers.0.hc_attn_scale", "model.layers.0.hc_attn_base", "model.layers.0.attn.attn_sink"):
         assert kinds[name] == ADAMW and not rules[name].decay
     by_param = {id(p): g for g in groups for p in g["params"]}
-    assert by_param[id(named["layers.1.engram.embed.weight"])]["lr"] == pytest.approx(5e-3)
-    assert by_param[id(named["embed.weight"])]["lr"] == pytest.approx(1e-3)
-    assert by_param[id(named["embed.weight"])]["weight_decay"] == 0.0
+    assert by_param[id(named["model.layers.1.engram.embed.weight"])]["lr"] == pytest.approx(5e-3)
+    assert by_param[id(named["model.embed.weight"])]["lr"] == pytest.approx(1e-3)
+    assert by_param[id(named["model.embed.weight"])]["weight_decay"] == 0.0
 
 
 def test_trainer_runs_with_the_recipe(tmp_path):
