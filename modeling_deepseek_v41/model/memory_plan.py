@@ -17,6 +17,7 @@ import torch
 from ..cache.packed_rows import PackedRows
 from ..config.configuration_deepseek_v41 import DeepseekV41Config
 from ..loading.device_map import _key_bytes, deepseek_device_map
+from ..loading.loader import hub_name
 from ..loading.parameter_count import COMPONENTS, count_parameters
 from .causal_lm import DeepseekV41ForCausalLM
 
@@ -36,7 +37,7 @@ def build_meta_model(config: DeepseekV41Config):
 
 def component_of(name: str) -> str:
     """The parameter-count component of a tensor; a block scale belongs to its weight's component."""
-    weight_name = re.sub(r"\.scale$", ".weight", name)
+    weight_name = hub_name(re.sub(r"\.scale$", ".weight", name))
     return next((group for group, pattern in COMPONENTS.items() if pattern.search(weight_name)), "other")
 
 
