@@ -86,7 +86,7 @@ def _cache_tensors(cache: DeepseekV41Cache) -> dict[str, int]:
                 walk(f"{name}.{k}", v)
 
     for key, value in vars(cache).items():
-        if key not in ("chunk_start", "text_config", "plan"):  # chunk_start lives within one step
+        if key not in ("chunk_start", "text_config", "plan", "layers"):  # chunk_start lives within one step; layers are views of the cache
             walk(key, value)
     return found
 
