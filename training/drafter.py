@@ -22,6 +22,7 @@ from torch.nn import functional as F
 from transformers import Trainer
 
 from modeling_deepseek_v41.layers.rotary import rope_angles
+from modeling_deepseek_v41.model.causal_lm import DeepseekV41ForCausalLM
 from modeling_deepseek_v41.model.dspark import dspark_forward, project_taps
 
 TEXT = -1
@@ -30,7 +31,7 @@ DSPARK_LOSS_WEIGHTS = (0.1, 0.9, 1.0)  # cross-entropy, L1 distillation, confide
 
 def _base(model):
     """The DeepseekV41ForCausalLM inside wrappers (PEFT, DDP)."""
-    while not hasattr(model, "mtp"):
+    while not isinstance(model, DeepseekV41ForCausalLM):
         inner = getattr(model, "module", None) or getattr(model, "base_model", None) or getattr(model, "model", None)
         if inner is None or inner is model:
             raise TypeError(f"{type(model).__name__} holds no DeepseekV41ForCausalLM")

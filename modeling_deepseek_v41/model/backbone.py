@@ -215,9 +215,11 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
 
     def _ids_for(self, input_ids, inputs_embeds, cache, use_cache) -> tuple[torch.Tensor, bool]:
         """The token ids a forward runs on (zeros standing in for them with `inputs_embeds` alone, where nothing
-        reads them) and whether it uses a cache (`use_cache=None` follows the config)."""
+        reads them) and whether it uses a cache (`use_cache=None` follows the config, and is off in training: the
+        cache keeps packed FP4/FP8 bytes that carry no gradient, and a recomputed checkpoint would find them written)."""
         if input_ids is not None:
-            return input_ids, use_cache if use_cache is not None else self.config.text_config.use_cache
+            default = self.config.text_config.use_cache and not self.training
+            return input_ids, use_cache if use_cache is not None else default
         if inputs_embeds is None:
             raise ValueError("Pass input_ids (or inputs_embeds, for a config without Engram layers).")
         if self.plan.engram_layers:
