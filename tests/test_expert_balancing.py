@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from model_factory import random_model, tiny_config
+from reference_cases import FIXTURES
 
 from training.expert_balancing import (
     ExpertBalanceCallback,
@@ -34,18 +37,39 @@ def gates(model):
     return [layer.ffn.gate for layer in model.model.layers]
 
 
-def run_batches(model, balancer, image_slots: slice | None, steps: int) -> list[dict[str, float]]:
+@functools.cache
+def tiny_vision_processor():
+    from transformers import AutoProcessor
+
+    import modeling_deepseek_v41  # noqa: F401
+
+    return AutoProcessor.from_pretrained(FIXTURES / "tiny-vision" / "checkpoint")
+
+
+def picture_batch(rows: int, seed: int) -> dict:
+    """The tiny-vision processor's inputs for `rows` noise pictures, each with the same short question (so no
+    row is padded): mostly image-span tokens."""
+    from PIL import Image
+
+    processor = tiny_vision_processor()
+    generator = torch.Generator().manual_seed(seed)
+    pictures = [Image.fromarray(torch.randint(0, 256, (48, 48, 3), generator=generator, dtype=torch.uint8).numpy())
+                for _ in range(rows)]
+    out = processor(images=pictures, text=[f"{processor.image_token} what is it?"] * rows, return_tensors="pt")
+    assert bool(out["attention_mask"].all())
+    return dict(out)
+
+
+def run_batches(model, balancer, pictures: bool, steps: int) -> list[dict[str, float]]:
     generator = torch.Generator().manual_seed(0)
     vocab = model.config.text_config.vocab_size
     history = []
     with torch.no_grad():
-        for _ in range(steps):
-            ids = torch.randint(0, vocab, (8, 32), generator=generator)
-            token_types = None
-            if image_slots is not None:
-                token_types = torch.full_like(ids, -1)
-                token_types[:, image_slots] = 0
-            model(ids, token_types=token_types)
+        for step in range(steps):
+            if pictures:
+                model(**picture_batch(4, seed=100 + step))
+            else:
+                model(torch.randint(0, vocab, (8, 32), generator=generator))
             history.append(balancer.update_biases())
     return history
 
@@ -84,7 +108,7 @@ def test_text_batches_balance_the_text_bias_only():
     model = unbalanced_vision_model()
     frozen_vl = [g.bias_vl.clone() for g in gates(model)]
     balancer = ExpertBalancer(model, update_speed=SPEED).attach()
-    history = run_batches(model, balancer, None, STEPS)
+    history = run_batches(model, balancer, False, STEPS)
     first, last = mean_of(history, "text_max_over_mean_load")
     assert last < first - 0.3, (first, last)
     assert all("image_max_over_mean_load" not in h for h in history)
@@ -93,25 +117,22 @@ def test_text_batches_balance_the_text_bias_only():
     assert gates(model)[0].bias[:2].max() < 0.3  # the favoured experts were pushed down
 
 
-@pytest.mark.xfail(strict=True, reason="input validation (issue 19) now refuses image spans without pixel_values, "
-                   "which this test feeds; the test must build real pixel inputs")
 def test_image_heavy_batches_move_each_bias_from_its_own_modality():
     model = unbalanced_vision_model()
     balancer = ExpertBalancer(model, update_speed=SPEED).attach()
-    ids = torch.randint(0, model.config.text_config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(1))
-    token_types = torch.full_like(ids, -1)
-    token_types[:, 4:30] = 0  # mostly image span
+    batch = picture_batch(4, seed=1)
+    image = (batch["token_types"] >= 0).reshape(-1)
+    assert 0.5 < image.float().mean() < 1  # mostly image span, some text
     before = [(g.bias.clone(), g.bias_vl.clone()) for g in gates(model)]
     with torch.no_grad():
-        out = model(ids, token_types=token_types, output_router_logits=True)
+        out = model(**batch, output_router_logits=True)
     balancer.update_biases()
-    image = (token_types >= 0).reshape(-1)
     for gate, (bias, bias_vl), experts in zip(gates(model), before, out.router_experts):
         n = gate.weight.shape[0]
         for load, old, new in ((expert_counts(experts, n, ~image), bias, gate.bias),
                                (expert_counts(experts, n, image), bias_vl, gate.bias_vl)):
             torch.testing.assert_close(new - old, SPEED * torch.sign(load.mean() - load))
-    history = run_batches(model, balancer, slice(4, 30), STEPS)
+    history = run_batches(model, balancer, True, STEPS)
     for key in ("text_max_over_mean_load", "image_max_over_mean_load"):
         first, last = mean_of(history, key)
         assert last < first - 0.3, (key, first, last)

@@ -91,7 +91,6 @@ def _cache_tensors(cache: DeepseekV41Cache) -> dict[str, int]:
     return found
 
 
-@pytest.mark.xfail(strict=True, reason="fails after the Cache API merge (per-layer views); not yet adapted")
 def test_static_steps_are_replayable(accelerator_paths):
     model = random_model(tiny_config(), dtype=torch.float32)
     ids = torch.randint(3, 500, (2, PROMPT + STEPS), generator=torch.Generator().manual_seed(6))

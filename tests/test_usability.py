@@ -56,7 +56,6 @@ def test_use_cache_false_with_processor_outputs(model, picture_inputs):
     assert torch.equal(_greedy(model, picture_inputs, use_cache=False), expected)
 
 
-@pytest.mark.xfail(strict=True, reason="fails after merging the token-type handling into one prepare_inputs_for_generation; not yet adapted")
 def test_assistant_model_with_processor_outputs(model, picture_inputs):
     expected = _greedy(model, picture_inputs)
     assistant = AutoModelForCausalLM.from_pretrained(CHECKPOINT)

@@ -162,10 +162,12 @@ class DeepseekV41GenerationMixin(GenerationOptionsMixin):
         continuing = cache is not None and cache.get_seq_length() > 0 and not is_first
         token_types = kwargs.pop("token_types", None)
         model_inputs = super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
-        if continuing:
-            for key in ("pixel_values", "image_grids"):
+        for key in ("pixel_values", "image_grids"):
+            if continuing:
                 model_inputs.pop(key, None)
-        elif token_types is not None:  # generated tokens are text: the prompt's types grow with the sequence
+            elif kwargs.get(key) is not None:  # an empty cache sees the image span: transformers drops the pixels
+                model_inputs[key] = kwargs[key]  # of an assistant's first forward (is_first_iteration=False)
+        if not continuing and token_types is not None:  # generated tokens are text: the prompt's types grow with the sequence
             width = model_inputs["input_ids"].shape[1]
             types = extend_token_types(token_types, input_ids.shape[-1] - token_types.shape[-1])
             model_inputs["token_types"] = types[:, -width:]

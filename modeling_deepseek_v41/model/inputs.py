@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.dispatch import fast_path
+
 
 def _reads_values(input_ids: torch.Tensor) -> bool:
     """Whether checks that read tensor values run: never while tracing (a compiled or exported step cannot read
     them), and on an accelerator not for one-token steps (no host sync in decoding)."""
     if torch.compiler.is_compiling():
         return False
-    return input_ids.device.type == "cpu" or input_ids.shape[1] > 1
+    return not fast_path(input_ids) or input_ids.shape[1] > 1
 
 
 def check_forward_inputs(config, input_ids, attention_mask=None, token_types=None, pixel_values=None, cache=None,
