@@ -38,7 +38,12 @@ class DeepseekV41ModelTester:
         self.is_training = True
 
     def get_config(self) -> DeepseekV41Config:
-        return config_without_dspark(tiny_config(engram_layer_ids=[], engram_num_embeddings=[]))
+        # two layers (the mixins' limit): a ratio-2 pool in the encoder half, a ratio-1 pool with candidate blocks in
+        # the decoder half; under the mixins' 1M parameters
+        return config_without_dspark(tiny_config(
+            num_hidden_layers=2, compress_ratios=[2, 1], kv_source_layer_ids=[0, 1], index_source_layer_ids=[0, 1],
+            candidate_source_layer_id=1, engram_layer_ids=[], engram_num_embeddings=[], dspark_target_layer_ids=[],
+            num_nextn_predict_layers=0, n_routed_experts=4))
 
     def prepare_config_and_inputs_for_common(self):
         config = self.get_config()

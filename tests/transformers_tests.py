@@ -82,7 +82,12 @@ SKIPPED: dict[str, dict[str, str]] = {
             "marked slow by transformers (a subprocess run); nothing here imports torchvision, which is not installed"
         ),
     },
-    "ModelTesterMixin": {},
+    "ModelTesterMixin": {
+        "test_generation_tester_mixin_inheritance": (
+            "GenerationTesterMixin lives in tests/generation/, which the sdist leaves out (the harness has an empty "
+            "stand-in); what it checks is tested in tests/test_generation_conformance.py"
+        ),
+    },
     "ProcessorTesterMixin": {
         **{
             f"test_apply_chat_template_image_{index}": (

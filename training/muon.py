@@ -78,6 +78,14 @@ def muon_step(param: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], *,
     param.add_(ortho.reshape(param.shape).to(param.dtype), alpha=-lr)
 
 
+def closure_loss(closure) -> Any:
+    """What an optimizer step's `closure` returns, evaluated with gradients on (None without a closure)."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 class HeadwiseMuon(_TorchMuon or Optimizer):  # type: ignore[misc]
     """torch.optim.Muon with per-head orthogonalisation and an AdamW-matched update RMS.
 
@@ -101,10 +109,7 @@ class HeadwiseMuon(_TorchMuon or Optimizer):  # type: ignore[misc]
     @torch.no_grad()
     def step(self, closure=None):  # noqa: D401 - torch's signature
         """One update of every parameter that has a gradient."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from .muon import muon_step
+from .muon import closure_loss, muon_step
 from .parameter_rules import ADAMW, MUON, SINKHORN, parameter_rules
 from .sinkhorn_update import sinkhorn_step
 
@@ -112,10 +112,7 @@ class DeepseekV41Optimizer(Optimizer):
     @torch.no_grad()
     def step(self, closure=None):  # noqa: D401 - torch's signature
         """One update of every parameter that has a gradient, by its group's rule."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
