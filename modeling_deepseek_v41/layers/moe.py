@@ -207,12 +207,26 @@ class DeepseekV41MoE(nn.Module):
         the ids back); the entries of experts held elsewhere stay zero."""
         contributions = tokens.new_zeros(*experts.shape, tokens.shape[-1])
         start, end = self.expert_range or (0, self.n_experts)
+        if torch.compiler.is_compiling():
+            return self._every_expert_masked(tokens, experts, weights, contributions, range(start, end))
         for expert_id in experts.unique().tolist():
             if not start <= expert_id < end:
                 continue
             token_idx, slot = torch.nonzero(experts == expert_id, as_tuple=True)
             contributions[token_idx, slot] = self.experts[expert_id](tokens[token_idx],
                                                                      weights[token_idx, slot].unsqueeze(-1))
+        return contributions
+
+    def _every_expert_masked(self, tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+                             contributions: torch.Tensor, held: range) -> torch.Tensor:
+        """`_per_expert` for a traced graph (torch.export, torch.compile): no shape depends on the routing, so every
+        held expert runs over every token with a routing weight of zero where it was not chosen (its output is then
+        exactly zero), and lands in the slot that chose it."""
+        for expert_id in held:
+            hit = experts == expert_id  # [T,k]; a token chooses an expert at most once
+            route = torch.where(hit, weights, torch.zeros_like(weights)).sum(-1, keepdim=True)
+            out = self.experts[expert_id](tokens, route)
+            contributions = torch.where(hit.unsqueeze(-1), out.unsqueeze(1).to(contributions.dtype), contributions)
         return contributions
 
     def _expert_stack(self, tokens: torch.Tensor) -> ExpertStack | None:
