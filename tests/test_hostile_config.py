@@ -82,6 +82,8 @@ TEXT_CASES = [
     ({"sliding_window": True}, "sliding_window"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 0, "beta_fast": 32, "beta_slow": 1,
                        "original_max_position_embeddings": 4096}}, "factor"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 4.0}}, "rope_type"),  # would be ignored: refused instead
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "rope_type"),
 ]
 
 

@@ -65,11 +65,33 @@ def test_hub_names_stay_on_disk_and_save_pretrained_round_trips(tmp_path, ids):
         assert torch.equal(reloaded(ids).logits, model(ids).logits)
 
 
-def test_hidden_states_are_the_documented_streams(bf16_model, ids):
+def test_hidden_states_are_the_documented_stream_means(bf16_model, ids):
     out = bf16_model.model(ids, output_hidden_states=True, use_cache=False)
     text = bf16_model.config.text_config
-    assert len(out.hidden_states) == text.num_hidden_layers + 1
-    assert all(h.shape == (2, 7, text.hc_mult, text.hidden_size) for h in out.hidden_states)
+    assert len(out.hidden_states) == len(out.hc_streams) == text.num_hidden_layers + 1
+    assert all(s.shape == (2, 7, text.hc_mult, text.hidden_size) for s in out.hc_streams)
+    for hidden, streams in zip(out.hidden_states, out.hc_streams):
+        assert torch.equal(hidden, streams.mean(dim=2))
+    # the embeddings open the list; the taps the drafter reads are stream means of the same states
+    assert torch.equal(out.hidden_states[0], bf16_model.model.embed(ids).to(out.hidden_states[0].dtype))
+    lm_out = bf16_model(ids, output_hidden_states=True, use_cache=False)
+    assert all(torch.equal(a, b) for a, b in zip(lm_out.hidden_states, out.hidden_states))
+
+
+def test_forward_is_deterministic(bf16_model, ids):
+    with torch.no_grad():
+        first, second = bf16_model(ids, use_cache=False).logits, bf16_model(ids, use_cache=False).logits
+    assert torch.equal(first, second)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "auto", torch.bfloat16, torch.float32])
+def test_torch_dtype_is_an_alias_of_dtype(dtype):
+    by_dtype = AutoModelForCausalLM.from_pretrained(CHECKPOINT, weight_mode="bf16", dtype=dtype)
+    by_torch_dtype = AutoModelForCausalLM.from_pretrained(CHECKPOINT, weight_mode="bf16", torch_dtype=dtype)
+    first, second = dict(by_dtype.named_parameters()), dict(by_torch_dtype.named_parameters())
+    assert first.keys() == second.keys()
+    for name, value in first.items():
+        assert value.dtype == second[name].dtype and torch.equal(value, second[name]), name
 
 
 def test_resize_token_embeddings_in_bf16_mode(ids):
@@ -121,12 +143,16 @@ def test_config_flags_are_followed(ids):
     config = tiny_config()
     config.text_config.use_cache = False
     config.output_hidden_states = True
-    model = AutoModelForCausalLM.from_config(config)
+    model = AutoModelForCausalLM.from_config(config).eval()
     out = model(ids)
     assert out.cache is None and len(out.hidden_states) == config.text_config.num_hidden_layers + 1
     assert isinstance(model(ids, use_cache=True).cache, DeepseekV41Cache)
     config.text_config.use_cache = True
     assert isinstance(model(ids).cache, DeepseekV41Cache)  # use_cache=None follows the config
+    # ... except in a training forward that records gradients: the cache's packed bytes would carry none
+    assert model.train()(ids).cache is None
+    with torch.no_grad():
+        assert isinstance(model(ids).cache, DeepseekV41Cache)
 
 
 def test_output_attentions_is_refused_clearly(bf16_model, ids):

@@ -166,7 +166,11 @@ def _require(config: Any, condition: bool, message: str) -> None:
 def _check_rope(config: Any) -> None:
     rope = getattr(config, "rope_parameters", None)
     _require(config, rope is None or isinstance(rope, dict), f"rope_parameters must be a dict or None, got {rope!r}.")
-    if not rope or rope.get("rope_type", rope.get("type")) != "yarn":
+    kind = rope.get("rope_type", rope.get("type", "default")) if rope else "default"
+    _require(config, kind in ("default", "yarn"),
+             f"rope_parameters['rope_type'] is {kind!r}, but DeepSeek-V4.1 supports 'yarn' (the released scaling) or "
+             "'default' (none): other scalings would change the RoPE of compressed keys already in a cache.")
+    if kind != "yarn":
         return
     factor = rope.get("factor", 1.0)
     _require(config, _is_real(factor) and factor > 0, f"rope_parameters['factor'] must be a finite number > 0 for "
@@ -199,10 +203,13 @@ def validate_text_config(config: Any) -> None:
     _require(c, draft_top_k <= draft_experts,
              f"dspark_num_experts_per_tok ({draft_top_k}) must be at most the drafter's experts ({draft_experts}: "
              "dspark_n_routed_experts, or n_routed_experts when it is 0).")
-    for name in ("dspark_noise_token_id", "engram_pad_token_id"):
+    # token ids only the drafter or the Engram layers read: checked where those exist
+    token_ids = (["dspark_noise_token_id"] if c.num_nextn_predict_layers else []) + (
+        ["engram_pad_token_id"] if c.engram_layer_ids else [])
+    for name in token_ids:
         value = getattr(c, name)
         _require(c, value < c.vocab_size, f"{name} ({value}) must be a token id below vocab_size ({c.vocab_size}).")
-    _require(c, c.engram_compressed_vocab_size <= c.vocab_size,
+    _require(c, not c.engram_layer_ids or c.engram_compressed_vocab_size <= c.vocab_size,
              f"engram_compressed_vocab_size ({c.engram_compressed_vocab_size}) must be at most vocab_size "
              f"({c.vocab_size}): it counts the distinct ids the tokenizer's vocabulary compresses to.")
     _check_rope(c)

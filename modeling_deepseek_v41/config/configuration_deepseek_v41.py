@@ -244,7 +244,7 @@ class DeepseekV41Config(ValidatedConfig, PreTrainedConfig):
     # tensor parallelism (`from_pretrained(..., tp_plan="auto")` under torchrun); the styles are DeepSeek-V4.1's
     # own (tensor_parallel.py): attention heads by o_groups with the grouped output gathered, routed experts
     # sliced across ranks, Engram table rows and head vocabulary rows split; everything else replicated.
-    base_model_tp_plan = {
+    TENSOR_PARALLEL_PLAN = {
         "layers.*.attn": "deepseek_v41_local_heads",
         "layers.*.attn.wq_b": "deepseek_v41_shard_rows",
         "layers.*.attn.wo_a": "deepseek_v41_shard_rows",
@@ -257,6 +257,14 @@ class DeepseekV41Config(ValidatedConfig, PreTrainedConfig):
         "mtp.*.attn.wo_b": "deepseek_v41_gather_input",
         "mtp.*.ffn": "deepseek_v41_expert_slices",
     }  # relative to DeepseekV41Model; the head's entry ("lm_head") is DeepseekV41ForCausalLM._tp_plan
+
+    @property
+    def base_model_tp_plan(self) -> dict[str, str]:
+        """The plan's entries for the parts this config builds (no drafter or Engram entries without them)."""
+        text = self.text_config
+        return {pattern: style for pattern, style in self.TENSOR_PARALLEL_PLAN.items()
+                if (text.num_nextn_predict_layers or not pattern.startswith("mtp."))
+                and (text.engram_layer_ids or ".engram." not in pattern)}
 
     def __init__(
         self,

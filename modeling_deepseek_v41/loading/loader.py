@@ -5,6 +5,7 @@ folder's tokenizer, and the optional dequantization to bf16."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 
@@ -16,7 +17,7 @@ from transformers.utils import logging
 
 from ..layers.engram import DeepseekV41ExternalEngramTable
 from ..layers.engram_hashing import build_compressed_token_map
-from .checkpoint_layout import check_checkpoint_folder
+from .checkpoint_layout import check_checkpoint_folder, checkpoint_has_prefix
 from .device_map import check_device_map, deepseek_device_map, preload_submodules, return_to_input_device, spread_units
 from .engram_storage import ExternalTable
 from .tensor_parallel import RemoteExpert
@@ -84,17 +85,18 @@ def place_skeleton(skeleton: nn.Module, device_map, max_memory: dict | None):
     return device_map
 
 
-def held_tensors(model: nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def held_tensors(model: nn.Module, rename=hub_name) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """name -> (shape, dtype) of every tensor the model reads from a checkpoint, including Engram tables kept off
-    the device (which are not parameters) and the routed experts other tensor-parallel ranks hold."""
-    held = {hub_name(name): (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}
+    the device (which are not parameters) and the routed experts other tensor-parallel ranks hold. Names are the
+    hub's by default (`rename=hub_name`)."""
+    held = {rename(name): (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}
     modules = dict(model.named_modules())
     for name, module in modules.items():
         if isinstance(module, DeepseekV41ExternalEngramTable):
-            held.update({hub_name(f"{name}.{key}"): value for key, value in module.checkpoint_tensors().items()})
+            held.update({rename(f"{name}.{key}"): value for key, value in module.checkpoint_tensors().items()})
         elif isinstance(module, RemoteExpert):  # held by another rank: shaped like the experts held here
             sibling = next(m for m in modules[name.rpartition(".")[0]] if not isinstance(m, RemoteExpert))
-            held.update({hub_name(f"{name}.{key}"): (tuple(t.shape), t.dtype)
+            held.update({rename(f"{name}.{key}"): (tuple(t.shape), t.dtype)
                          for key, t in sibling.state_dict().items()})
     return held
 
@@ -105,7 +107,22 @@ def check_checkpoint(model: nn.Module, folder, ignore_mismatched_sizes: bool) ->
     if model.get_output_embeddings() is None:
         return
     if isinstance(folder, (str, os.PathLike)) and os.path.isdir(folder) and not ignore_mismatched_sizes:
-        check_checkpoint_folder(folder, held_tensors(model))
+        # save_pretrained(save_original_format=False) keeps the module names: nothing to map back
+        mapped = checkpoint_has_prefix(folder, "model.") or checkpoint_has_prefix(folder, "lm_head.")
+        rename = (lambda name: name) if mapped else hub_name
+        held = held_tensors(model, rename)
+        if _saved_base_model(folder):  # a DeepseekV41Model save has no head: transformers initialises and reports it
+            held.pop(rename("lm_head.weight"), None)
+        check_checkpoint_folder(folder, held, hub_layout=False if mapped else None)
+
+
+def _saved_base_model(folder) -> bool:
+    """Whether the folder's config says it holds the base model alone (`DeepseekV41Model.save_pretrained`)."""
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        return False
+    with open(path) as handle:
+        return json.load(handle).get("architectures") == ["DeepseekV41Model"]
 
 
 def attach_engram_tables(model: nn.Module, pretrained_model_name_or_path, hub_kwargs: dict) -> None:

@@ -38,13 +38,15 @@ class DeepseekV41ModelOutput(BaseModelOutputWithPast):
 
     last_hidden_state: [B,S,D] the final norm of the hc streams collapsed by the last block's weights (what
         `lm_head` reads). cache: the `DeepseekV41Cache` (with `use_cache`).
-    hidden_states: with `output_hidden_states`, the hyper-connection streams [B,S,hc_mult,D]: the embeddings copied
-        into the streams, then every block's output (num_hidden_layers + 1 tensors; no final norm).
+    hidden_states: with `output_hidden_states`, num_hidden_layers + 1 tensors [B,S,D]: the embeddings, then every
+        block's output, each the mean over the hyper-connection streams (what the DSpark taps read; no final norm).
+    hc_streams: with `output_hidden_states`, the same states unreduced: the streams [B,S,hc_mult,D].
     router_logits / router_experts: with `output_router_logits`, every layer's router scores and chosen experts.
     dspark_hidden: the DSpark tap (mean over streams of each target layer's input, concatenated) of the caller's
         tokens; None without DSpark target layers.
     """
 
+    hc_streams: tuple[torch.Tensor, ...] | None = None
     router_logits: tuple[torch.Tensor, ...] | None = None
     router_experts: tuple[torch.Tensor, ...] | None = None
     dspark_hidden: torch.Tensor | None = None
@@ -203,11 +205,16 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
             rotation = context.rotations[(spec.rope_theta, spec.use_yarn)][0][:, -taps[0].shape[1]:]
             self.feed_drafter_rings(torch.cat(taps, dim=-1), run.positions, rotation, store)
         store.commit(input_ids, context.positions, replayed)
+        all_streams = run.all_streams
         if replayed:  # the replayed tokens only rebuilt windows: report the caller's tokens
             streams, pre_mix = streams[:, replayed:], pre_mix[:, replayed:]
             taps = [tap[:, replayed:] for tap in taps]
+            all_streams = None if all_streams is None else tuple(s[:, replayed:] for s in all_streams)
         return DeepseekV41ModelOutput(
-            last_hidden_state=self.norm(hc_collapse(streams, pre_mix)), cache=cache, hidden_states=run.all_streams,
+            last_hidden_state=self.norm(hc_collapse(streams, pre_mix)), cache=cache,
+            hidden_states=None if all_streams is None else (hidden[:, replayed:] if replayed else hidden,) + tuple(
+                s.mean(dim=2) for s in all_streams[1:]),  # the embeddings themselves (the streams are copies)
+            hc_streams=all_streams,
             router_logits=tuple(run.router_logits) if output_router_logits else None,
             router_experts=tuple(run.experts) if output_router_logits else None,
             dspark_hidden=torch.cat(taps, dim=-1) if taps else None,
@@ -215,10 +222,11 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
 
     def _ids_for(self, input_ids, inputs_embeds, cache, use_cache) -> tuple[torch.Tensor, bool]:
         """The token ids a forward runs on (zeros standing in for them with `inputs_embeds` alone, where nothing
-        reads them) and whether it uses a cache (`use_cache=None` follows the config, and is off in training: the
-        cache keeps packed FP4/FP8 bytes that carry no gradient, and a recomputed checkpoint would find them written)."""
+        reads them) and whether it uses a cache (`use_cache=None` follows the config, and is off for a training forward
+        that records gradients: the cache keeps packed FP4/FP8 bytes that carry none, and a recomputed checkpoint
+        would find them written)."""
         if input_ids is not None:
-            default = self.config.text_config.use_cache and not self.training
+            default = self.config.text_config.use_cache and not (self.training and torch.is_grad_enabled())
             return input_ids, use_cache if use_cache is not None else default
         if inputs_embeds is None:
             raise ValueError("Pass input_ids (or inputs_embeds, for a config without Engram layers).")

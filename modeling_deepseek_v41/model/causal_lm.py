@@ -20,9 +20,10 @@ from .pretrained import DeepseekV41PreTrainedModel
 @dataclass
 class DeepseekV41CausalLMOutput(MoeCausalLMOutputWithPast):
     """MoE causal-LM output plus the DSpark tap (mean over streams of each target layer's input, concatenated)
-    and the experts every layer chose. `hidden_states` are the base model's hc streams (see
+    and the experts every layer chose. `hidden_states` and `hc_streams` are the base model's (see
     `DeepseekV41ModelOutput`)."""
 
+    hc_streams: tuple[torch.Tensor, ...] | None = None
     dspark_hidden: torch.Tensor | None = None
     router_experts: tuple[torch.Tensor, ...] | None = None
 
@@ -101,6 +102,7 @@ class DeepseekV41ForCausalLM(DeepseekV41GenerationMixin, DeepseekV41PreTrainedMo
             elif new_num_tokens > old_rows:
                 self._init_weights(new_lm_head)
             new_lm_head.weight[:kept] = weight[:kept]
+        new_lm_head._is_hf_initialized = True  # a later post_init() must keep the copied rows
         return new_lm_head
 
     def build_engram_token_map(self, tokenizer) -> None:
@@ -147,7 +149,8 @@ class DeepseekV41ForCausalLM(DeepseekV41GenerationMixin, DeepseekV41PreTrainedMo
         if labels is not None:
             loss = self.loss_function(logits, labels, self.config.text_config.vocab_size, **kwargs)
         return DeepseekV41CausalLMOutput(
-            loss=loss, logits=logits, hidden_states=outputs.hidden_states, cache=outputs.cache,
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, hc_streams=outputs.hc_streams,
+            cache=outputs.cache,
             router_logits=outputs.router_logits, dspark_hidden=outputs.dspark_hidden,
             router_experts=outputs.router_experts,
         )
