@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
+from transformers.distributed import DistributedConfig
 
 import modeling_deepseek_v41  # noqa: F401
 from modeling_deepseek_v41.loading.tensor_parallel import RemoteExpert
@@ -47,6 +48,11 @@ def _worker(rank: int, world: int, port: int, folder: str, dense_folder: str) ->
     torch.set_num_threads(1)
     try:
         results = {}
+        # first, so that no earlier tp_plan load has registered the plan's styles: the DistributedConfig form
+        dense = AutoModelForCausalLM.from_pretrained(dense_folder, distributed_config=DistributedConfig(tp_plan="auto"),
+                                                     dtype=torch.float64)
+        results["float64"] = _outputs(dense)
+        results["float64_heads"] = dense.model.layers[1].attn.n_heads
         model = AutoModelForCausalLM.from_pretrained(CHECKPOINT, tp_plan="auto")
         results["quantized"] = _outputs(model)
         ffn = model.model.layers[1].ffn
@@ -59,8 +65,6 @@ def _worker(rank: int, world: int, port: int, folder: str, dense_folder: str) ->
             "table_rows": model.model.layers[1].engram.embed.weight.shape[0],
             "head_rows": model.lm_head.weight.shape[0],
         }
-        dense = AutoModelForCausalLM.from_pretrained(dense_folder, tp_plan="auto", dtype=torch.float64)
-        results["float64"] = _outputs(dense)
         torch.save(results, os.path.join(folder, f"rank{rank}.pt"))
     finally:
         torch.distributed.destroy_process_group()
@@ -103,3 +107,4 @@ def test_each_rank_holds_its_shards(two_rank_results):
         assert layout["expert_range"] == (4 * rank, 4 * rank + 4)
         assert layout["remote"] == [i for i in range(8) if not 4 * rank <= i < 4 * rank + 4]
         assert layout["table_rows"] == 6126 // 2 and layout["head_rows"] == 512 // 2
+        assert results["float64_heads"] == 2  # distributed_config=DistributedConfig(tp_plan="auto") shards too

@@ -208,6 +208,21 @@ STYLES = {
 }
 
 
+def tensor_parallel_requested(kwargs: dict) -> bool:
+    """Whether a from_pretrained call asks for tensor parallelism: `tp_plan` / `tp_size` / `device_mesh`, or a
+    `distributed_config` (DistributedConfig or dict) with a `tp_plan` or a `tp_size` above 1."""
+    if any(kwargs.get(key) is not None for key in ("tp_plan", "tp_size", "device_mesh")):
+        return True
+    distributed = kwargs.get("distributed_config")
+    if distributed is None:
+        return False
+    if isinstance(distributed, dict):
+        tp_plan, tp_size = distributed.get("tp_plan"), distributed.get("tp_size")
+    else:
+        tp_plan, tp_size = getattr(distributed, "tp_plan", None), getattr(distributed, "tp_size", None)
+    return tp_plan is not None or (tp_size or 1) > 1
+
+
 def register_parallel_styles() -> None:
     """Make the styles of `DeepseekV41Config.base_model_tp_plan` known to transformers (done by from_pretrained
     when a tensor-parallel plan is used; registering again is harmless)."""

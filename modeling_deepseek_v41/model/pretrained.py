@@ -19,7 +19,7 @@ from ..layers.engram import DeepseekV41Engram, DeepseekV41EngramTable
 from ..loading import loader
 from ..loading.checkpoint_layout import checkpoint_has_prefix
 from ..loading.parameter_count import logical_num_parameters
-from ..loading.tensor_parallel import localize_parameters, register_parallel_styles
+from ..loading.tensor_parallel import localize_parameters, register_parallel_styles, tensor_parallel_requested
 from ..loading.weight_checks import with_load_checks
 from .load_options import apply_weight_mode
 
@@ -86,9 +86,9 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
         """transformers' loader, plus what the hub checkpoint needs: a checkpoint without the DSpark drafter loads
         without it, the checkpoint is checked against the built model before any weight is read, the CSA2-aware
-        `device_map="auto"`, tensor parallelism with `tp_plan`, Engram tables kept in host memory or mapped, the
-        Engram token map built from the folder's tokenizer when the weights do not carry it, and
-        `weight_mode="bf16"` dequantization after loading."""
+        `device_map="auto"`, tensor parallelism (`tp_plan`, or `distributed_config` with a tp_plan), Engram tables
+        kept in host memory or mapped, the Engram token map built from the folder's tokenizer when the weights do
+        not carry it, and `weight_mode="bf16"` dequantization after loading."""
         hub_kwargs = loader.hub_kwargs_of(kwargs)
         local = (pretrained_model_name_or_path is not None and os.path.isdir(pretrained_model_name_or_path)
                  and not kwargs.get("ignore_mismatched_sizes"))
@@ -104,7 +104,7 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
             # the device map is computed from the module sizes: a skeleton on the meta device, before loading
             skeleton = cls._skeleton(pretrained_model_name_or_path, kwargs)
             kwargs["device_map"] = loader.place_skeleton(skeleton, kwargs["device_map"], kwargs.get("max_memory"))
-        tensor_parallel = kwargs.get("tp_plan") is not None or kwargs.get("device_mesh") is not None
+        tensor_parallel = tensor_parallel_requested(kwargs)
         if tensor_parallel:
             register_parallel_styles()
         loaded = super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
