@@ -12,9 +12,7 @@ from pathlib import Path
 
 import pytest
 
-# slow (run with --runslow): each block is a fresh interpreter (~5 s of imports); 18 blocks took 114 s on 2 cores
-pytestmark = pytest.mark.slow
-
+# in the default run (~2 minutes on 2 cores: each block is a fresh interpreter) so that the docs cannot rot
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
