@@ -29,7 +29,8 @@ from reference_cases import load_case, load_model, model_case_dirs  # noqa: E402
 
 TEXT_CASE = next((c for c in model_case_dirs() if c.name == "tiny-text"), None)
 pytestmark = pytest.mark.skipif(TEXT_CASE is None, reason="the tiny-text fixture is not present")
-KERNELS = ("fp8_linear", "fp4_linear", "dense_linear", "grouped_linear", "grouped_moe")
+KERNELS = ("fp8_linear", "fp4_linear", "dense_linear", "grouped_linear", "grouped_moe", "fp8_dequantize",
+           "fp4_dequantize")
 MODEL_KERNELS = {"fp8_linear", "dense_linear", "grouped_linear", "grouped_moe"}  # FP4 experts: inside grouped_moe
 
 
@@ -110,8 +111,8 @@ def test_k_token_forward_equals_k_single_steps_through_the_kernels(kernel_calls)
     assert torch.equal(together, single), (together - single).abs().max()
 
 
-def test_grad_enabled_calls_keep_the_emulation(kernel_calls):
-    """The kernels have no backward: a forward that records gradients runs the emulation."""
+def test_grad_enabled_dense_calls_keep_the_emulation(kernel_calls):
+    """A trainable dense weight needs its own gradient, which the kernels do not give: torch's linear."""
     from modeling_deepseek_v41.kernels.linear import DeepseekV41Linear
 
     layer = DeepseekV41Linear(64, 32, storage="dense", dtype=torch.float32)
@@ -124,3 +125,29 @@ def test_grad_enabled_calls_keep_the_emulation(kernel_calls):
         out = layer(x)
     assert kernel_calls["dense_linear"] == 1
     torch.testing.assert_close(out, x @ layer.weight.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("storage", ["fp8", "fp4"])
+def test_adapter_training_runs_both_directions_on_the_kernels(kernel_calls, storage):
+    """A frozen FP8/FP4 linear under autograd (LoRA on the shipped weights): the forward takes the linear kernel
+    and the input gradient the dequantize kernel plus one GEMM, never the emulation's whole-weight fp32 copy; both
+    agree with the emulation."""
+    from modeling_deepseek_v41.kernels.linear import DeepseekV41Linear
+
+    layer = DeepseekV41Linear(128, 64, storage=storage)
+    quantize = numerics.quantize_fp8_weight if storage == "fp8" else numerics.quantize_fp4_weight
+    weight, scale = quantize(torch.randn(64, 128, generator=torch.Generator().manual_seed(1)) * 0.05)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+        layer.scale.copy_(scale)
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(2)).requires_grad_()
+    grad_out = torch.randn(5, 64, generator=torch.Generator().manual_seed(3))
+    out = layer(x)
+    out.backward(grad_out)
+    assert kernel_calls[f"{storage}_linear"] == 1 and kernel_calls[f"{storage}_dequantize"] == 1, kernel_calls
+    dense = (numerics.dequantize_fp8_weight if storage == "fp8" else numerics.dequantize_fp4_weight)(
+        weight, scale, torch.float32)
+    expected = (numerics.fp8_act_qdq(x.detach()) @ dense.T)
+    torch.testing.assert_close(out.detach(), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x.grad, grad_out @ dense, rtol=1e-5, atol=1e-5)
+    assert layer.weight.grad is None and layer.scale.grad is None

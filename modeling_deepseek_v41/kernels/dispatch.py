@@ -23,6 +23,7 @@ def fast_path(x: torch.Tensor) -> bool:
 
 
 def kernel_path(x: torch.Tensor) -> bool:
-    """Whether `x` goes through the Triton kernels (kernels/triton/): CUDA inference outside float64. They have no
-    backward, so a call that records gradients keeps the emulation (as does an empty one: no launch)."""
+    """Whether `x` goes through the Triton kernels (kernels/triton/): CUDA, outside float64, not recording
+    gradients (a frozen quantized linear's autograd Function calls them from its forward and backward, which run
+    without grad); an empty call launches nothing."""
     return x.is_cuda and x.dtype != torch.float64 and not torch.is_grad_enabled() and x.numel() > 0

@@ -23,6 +23,18 @@ def gpu_linear(x: torch.Tensor, storage: str, weight: torch.Tensor, scale: torch
     return kernels.dense_linear(x.to(weight.dtype), weight)
 
 
+def gpu_linear_input_grad(grad_out: torch.Tensor, storage: str, weight: torch.Tensor, scale: torch.Tensor
+                          ) -> torch.Tensor:
+    """grad_out [..., N] times an FP8/FP4 weight [N, K]: the input gradient of a frozen quantized linear. The weight
+    is dequantized exactly to a transient bf16 copy by a kernel, then one tensor-core GEMM (fp32 accumulation;
+    true fp32 products for fp32 gradients)."""
+    kernels = triton_kernels()
+    dense = (kernels.fp8_dequantize if storage == "fp8" else kernels.fp4_dequantize)(weight, scale)
+    if grad_out.dtype == torch.bfloat16:
+        return grad_out @ dense
+    return (grad_out.float() @ dense.float()).to(grad_out.dtype)
+
+
 def dense_kernel_applies(weight: torch.Tensor) -> bool:
     """Dense weights the kernels take (others, e.g. float64, keep torch's linear)."""
     return weight.dtype in (torch.bfloat16, torch.float16, torch.float32)

@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .dispatch import kernel_path
-from .gpu_linear import dense_kernel_applies, gpu_linear
+from .gpu_linear import dense_kernel_applies, gpu_linear, gpu_linear_input_grad
 from .numerics import (
     WEIGHT_BLOCK, compute_dtype, dequantize_fp4_weight, dequantize_fp8_weight, fp8_act_qdq, weight_dtype,
 )
@@ -49,19 +49,24 @@ def quantized_linear_reference(x: torch.Tensor, weight: torch.Tensor, scale: tor
 
 
 class QuantizedLinearFunction(torch.autograd.Function):
-    """The quantized linear with a backward for the input only: forward is the exact emulation, the input gradient
-    goes through the dequantized weight (straight through the activation QDQ) and the frozen FP8/FP4 weight gets
-    none. Only the stored weight is kept for backward (no fp32 copy), so adapters train at the shipped precision."""
+    """The quantized linear with a backward for the input only: the input gradient goes through the dequantized
+    weight (straight through the activation QDQ) and the frozen FP8/FP4 weight gets none. Only the stored weight is
+    kept for backward (no fp32 copy), so adapters train at the shipped precision. On CUDA both directions run on the
+    kernels (forward and backward run without grad, which `kernel_path` asks for); elsewhere, the exact emulation."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, storage: str) -> torch.Tensor:
         ctx.save_for_backward(weight, scale)
         ctx.storage = storage
+        if kernel_path(x):
+            return gpu_linear(x, storage, weight, scale)
         return quantized_linear_reference(x, weight, scale, storage)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         weight, scale = ctx.saved_tensors
+        if kernel_path(grad_out):
+            return gpu_linear_input_grad(grad_out, ctx.storage, weight, scale), None, None, None
         dequantize = dequantize_fp8_weight if ctx.storage == STORAGE_FP8 else dequantize_fp4_weight
         grad_x = grad_out.float() @ dequantize(weight, scale, torch.float32)
         return grad_x.to(grad_out.dtype), None, None, None

@@ -2,9 +2,11 @@
 tensor arrives; the CPU path stays the exact fp32 emulation."""
 
 from .grouped_linear import grouped_linear
-from .linear import DECODE_MAX_ROWS, dense_linear, fp4_linear, fp8_linear, fp8_row_linear
+from .linear import (DECODE_MAX_ROWS, dense_linear, fp4_dequantize, fp4_linear, fp8_dequantize, fp8_linear,
+                     fp8_row_linear)
 from .moe import MOE_DECODE_MAX_TOKENS, grouped_moe
 from .quant import fp4_to_fp8_weight, fp8_act_qdq, fp8_act_quant
 
-__all__ = ["DECODE_MAX_ROWS", "MOE_DECODE_MAX_TOKENS", "dense_linear", "fp4_linear", "fp4_to_fp8_weight",
+__all__ = ["DECODE_MAX_ROWS", "MOE_DECODE_MAX_TOKENS", "dense_linear", "fp4_dequantize", "fp4_linear",
+           "fp8_dequantize", "fp4_to_fp8_weight",
            "fp8_act_qdq", "fp8_act_quant", "fp8_linear", "grouped_linear", "fp8_row_linear", "grouped_moe"]

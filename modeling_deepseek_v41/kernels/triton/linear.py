@@ -184,6 +184,18 @@ def fp8_row_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, f
     return _quantized(x, weight, scale, FMT_FP8_ROW, n, k, fp8_dot)
 
 
+def fp8_dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The exact bf16 [N, K] of an FP8 weight e4m3 [N, K] with E8M0 scales per 32x32 tile."""
+    n, k = weight.shape
+    return dequantize_weight(weight, scale, FMT_FP8_TILE, n, k)
+
+
+def fp4_dequantize(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The exact bf16 [N, K] of a packed e2m1 weight [N, K/2] with E8M0 scales per (row, 32)."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    return dequantize_weight(packed, scale, FMT_FP4_ROW, n, k)
+
+
 def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """F.linear(x.to(weight.dtype), weight) for a bf16/fp16/fp32 weight [N, K], batch invariant up to
     DECODE_MAX_ROWS rows (cuBLAS picks its kernel by M). fp32 weights use true fp32 products (no TF32)."""
