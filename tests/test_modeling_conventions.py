@@ -104,6 +104,12 @@ def test_resize_token_embeddings_in_bf16_mode(ids):
     after = model(torch.cat([ids, torch.tensor([[515], [519]])], dim=1), use_cache=False).logits
     assert after.shape[-1] == 520
     assert torch.equal(after[:, :7, :512], before)
+    markov = model.model.mtp[-1].markov_head
+    assert markov.embed.weight.shape[0] == 520 and markov.head.weight.shape[0] == 520
+    # the drafter drafts after a new token and scores new tokens: DSpark stays lossless
+    prompt = torch.tensor([[5, 6, 515, 7, 519]])
+    greedy = model.generate(prompt, max_new_tokens=6, do_sample=False)
+    assert torch.equal(model.generate(prompt, max_new_tokens=6, do_sample=False, use_dspark=True), greedy)
 
 
 def test_resize_token_embeddings_refuses_quantized_weights():
