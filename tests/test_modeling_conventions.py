@@ -118,6 +118,12 @@ def test_resize_token_embeddings_refuses_quantized_weights():
         model.resize_token_embeddings(520)
 
 
+def test_direct_construction_names_the_ways_to_a_token_map(ids):
+    model = DeepseekV41ForCausalLM(tiny_config())
+    with pytest.raises(RuntimeError, match=r"build_engram_token_map\(tokenizer\).*from_config"):
+        model(ids)
+
+
 def test_from_config_runs_with_a_placeholder_token_map_and_warns(caplog, tmp_path, ids):
     with caplog.at_level(logging.WARNING):
         model = AutoModelForCausalLM.from_config(tiny_config())

@@ -269,7 +269,8 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         if not torch.compiler.is_compiling() and not store.is_static and bool((token_map < 0).any()):  # host read
             raise RuntimeError(
                 "The Engram compressed token map has not been built. Load the model with from_pretrained from a "
-                "folder that has the tokenizer files, or call model.build_engram_token_map(tokenizer)."
+                "folder that has the tokenizer files, or call model.build_engram_token_map(tokenizer); for an "
+                "untrained model, AutoModelForCausalLM.from_config(config) fills a deterministic placeholder map."
             )
         text = self.config.text_config
         compressed = token_map[input_ids]
