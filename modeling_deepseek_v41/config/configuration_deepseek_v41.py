@@ -92,6 +92,7 @@ class DeepseekV41TextConfig(ValidatedConfig, PreTrainedConfig):
         prefill_mode: str = "exact",
         initializer_range: float = 0.02,
         use_cache: bool = True,
+        output_router_logits: bool = False,
         tie_word_embeddings: bool = False,
         **kwargs: Any,
     ) -> None:
@@ -172,6 +173,7 @@ class DeepseekV41TextConfig(ValidatedConfig, PreTrainedConfig):
         self.prefill_mode = prefill_mode
         self.initializer_range = initializer_range
         self.use_cache = use_cache
+        self.output_router_logits = output_router_logits  # the forward's default for returning the router scores
         kwargs.setdefault("bos_token_id", 0)
         kwargs.setdefault("eos_token_id", 1)
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)

@@ -170,6 +170,8 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         input_ids, use_cache = self._ids_for(input_ids, inputs_embeds, cache or past_key_values, use_cache)
         output_hidden_states = (output_hidden_states if output_hidden_states is not None
                                 else self.config.output_hidden_states)
+        if output_router_logits is None:
+            output_router_logits = self.config.text_config.output_router_logits
         cache = cache if cache is not None else past_key_values
         if cache is None and use_cache:
             cache = DeepseekV41Cache(self.config)
