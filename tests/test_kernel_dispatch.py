@@ -151,3 +151,7 @@ def test_adapter_training_runs_both_directions_on_the_kernels(kernel_calls, stor
     torch.testing.assert_close(out.detach(), expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(x.grad, grad_out @ dense, rtol=1e-5, atol=1e-5)
     assert layer.weight.grad is None and layer.scale.grad is None
+    with torch.enable_grad():  # an input that needs no gradient (before the first adapter) takes the kernel too
+        frozen = layer(x.detach())
+    assert kernel_calls[f"{storage}_linear"] == 2 and not frozen.requires_grad
+    torch.testing.assert_close(frozen, expected, rtol=1e-5, atol=1e-5)

@@ -48,6 +48,13 @@ def quantized_linear_reference(x: torch.Tensor, weight: torch.Tensor, scale: tor
     return row_invariant_linear(q.float(), dense).to(q.dtype)
 
 
+def quantized_forward(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, storage: str) -> torch.Tensor:
+    """The quantized linear without autograd: the Triton kernels on CUDA, the exact emulation elsewhere."""
+    if kernel_path(x):
+        return gpu_linear(x, storage, weight, scale)
+    return quantized_linear_reference(x, weight, scale, storage)
+
+
 class QuantizedLinearFunction(torch.autograd.Function):
     """The quantized linear with a backward for the input only: the input gradient goes through the dequantized
     weight (straight through the activation QDQ) and the frozen FP8/FP4 weight gets none. Only the stored weight is
@@ -58,9 +65,7 @@ class QuantizedLinearFunction(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, storage: str) -> torch.Tensor:
         ctx.save_for_backward(weight, scale)
         ctx.storage = storage
-        if kernel_path(x):
-            return gpu_linear(x, storage, weight, scale)
-        return quantized_linear_reference(x, weight, scale, storage)
+        return quantized_forward(x, weight, scale, storage)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
@@ -156,16 +161,16 @@ class DeepseekV41Linear(DeepseekV41Weight, nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.is_quantized:
             return row_invariant_linear(x.to(self.weight.dtype), self.weight)
-        if kernel_path(x):  # CUDA inference: the Triton kernels read the stored FP8/FP4 bytes
-            return gpu_linear(x, self.storage, self.weight, self.scale)
-        if self.training and torch.is_grad_enabled() and (self.weight.requires_grad or self.scale.requires_grad):
-            raise ValueError(
-                "The FP8/FP4 weights of a quantized DeepSeek-V4.1 model cannot be trained. Either attach adapters "
-                "(e.g. peft.get_peft_model(model, LoraConfig(target_modules=...))), which freezes these weights and "
-                "trains on them as shipped, or load with weight_mode=\"bf16\" for full fine-tuning.")
-        if torch.is_grad_enabled() and x.requires_grad:
-            return QuantizedLinearFunction.apply(x, self.weight, self.scale, self.storage)
-        return quantized_linear_reference(x, self.weight, self.scale, self.storage)
+        if torch.is_grad_enabled():
+            if self.training and (self.weight.requires_grad or self.scale.requires_grad):
+                raise ValueError(
+                    "The FP8/FP4 weights of a quantized DeepSeek-V4.1 model cannot be trained. Either attach adapters "
+                    "(e.g. peft.get_peft_model(model, LoraConfig(target_modules=...))), which freezes these weights "
+                    "and trains on them as shipped, or load with weight_mode=\"bf16\" for full fine-tuning.")
+            if x.requires_grad:
+                return QuantizedLinearFunction.apply(x, self.weight, self.scale, self.storage)
+        with torch.no_grad():  # frozen weights and an input without gradient: nothing to record
+            return quantized_forward(x, self.weight, self.scale, self.storage)
 
 
 class DeepseekV41RMSNorm(nn.Module):
