@@ -147,3 +147,40 @@ def test_trainer_on_a_quantized_model_without_adapters_names_the_ways_out(tmp_pa
                       data_collator=DeepseekV41TrainingCollator(processor))
     with pytest.raises(ValueError, match=r"(?s)adapters.*weight_mode=\"bf16\""):
         trainer.train()
+
+
+@pytest.mark.parametrize("kind", ["loha", "lokr", "ia3"])
+def test_other_adapter_kinds_train_on_the_shipped_weights(kind):
+    """Full-rank-capable adapters (LoHa's Hadamard and LoKr's Kronecker products) on the FP8 projections, IA3 on
+    every projection: the loss falls and the quantized base stays bit-identical."""
+    from training.lora import target_regex
+
+    model = _load()
+    fp8_only = target_regex(routed_experts=False)
+    config = {
+        "loha": lambda: peft.LoHaConfig(r=4, alpha=8, target_modules=fp8_only, task_type="CAUSAL_LM"),
+        "lokr": lambda: peft.LoKrConfig(r=4, alpha=8, target_modules=fp8_only, task_type="CAUSAL_LM"),
+        "ia3": lambda: peft.IA3Config(target_modules=target_regex(), feedforward_modules=["w2"],
+                                      task_type="CAUSAL_LM"),
+    }[kind]()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    peft_model = peft.get_peft_model(model, config)
+    trainable = [p for p in peft_model.parameters() if p.requires_grad]
+    assert trainable
+    optimizer = torch.optim.AdamW(trainable, lr=1e-2)
+    ids = _ids(model)
+    peft_model.train()
+    losses = []
+    for _ in range(4):
+        loss = peft_model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0], losses
+    base = dict(peft_model.get_base_model().named_parameters())
+    for name, value in before.items():
+        module, _, leaf = name.rpartition(".")
+        now = base[name] if name in base else base[f"{module}.base_layer.{leaf}"]
+        assert torch.equal(now.view(torch.uint8) if now.element_size() == 1 else now,
+                           value.view(torch.uint8) if value.element_size() == 1 else value), name

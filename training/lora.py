@@ -20,16 +20,19 @@ DEFAULT_TARGET_MODULES = ATTENTION_TARGETS + EXPERT_TARGETS
 
 
 def target_regex(attention: tuple[str, ...] = ATTENTION_TARGETS, experts: tuple[str, ...] = EXPERT_TARGETS,
-                 include_drafter: bool = False) -> str:
+                 include_drafter: bool = False, routed_experts: bool = True) -> str:
     """A PEFT `target_modules` regex for the backbone's main attention and expert projections only (the short names
     alone also match the compressor, indexer and drafter projections that share them; `mtp.*` only when asked).
-    Matches with or without a base-model prefix such as `model.`."""
+    Matches with or without a base-model prefix such as `model.`. `routed_experts=False` keeps the shared expert
+    only: on a quantized model that leaves the FP8 projections, the ones PEFT's LoHa and LoKr can size (they read
+    the stored weight's shape, which for the FP4 routed experts is the packed [out, in/2])."""
     prefix = r"(.*\.)?(layers|mtp)" if include_drafter else r"(.*\.)?layers"
     parts = []
     if attention:
         parts.append(rf"{prefix}\.\d+\.attn\.({'|'.join(attention)})")
     if experts:
-        parts.append(rf"{prefix}\.\d+\.ffn\.(experts\.\d+|shared_experts)\.({'|'.join(experts)})")
+        which = r"(experts\.\d+|shared_experts)" if routed_experts else "shared_experts"
+        parts.append(rf"{prefix}\.\d+\.ffn\.{which}\.({'|'.join(experts)})")
     return "^(" + "|".join(parts) + ")$"
 
 
