@@ -180,11 +180,16 @@ def _check_rope(config: Any) -> None:
                                                           f"must be an integer >= 0 (0 disables YaRN), got {original!r}.")
 
 
-def validate_text_config(config: Any) -> None:
-    """Every field's own rule, then the rules that relate fields of the text config."""
-    for name in TEXT_RULES:
+def _check_fields(config: Any, rules) -> None:
+    """Each field of `rules` the config has, against its own rule."""
+    for name in rules:
         if hasattr(config, name):
             check_field(config, name, getattr(config, name))
+
+
+def validate_text_config(config: Any) -> None:
+    """Every field's own rule, then the rules that relate fields of the text config."""
+    _check_fields(config, TEXT_RULES)
     c = config
     _require(c, c.num_attention_heads % c.o_groups == 0,
              f"num_attention_heads ({c.num_attention_heads}) must be divisible by o_groups ({c.o_groups}): the "
@@ -217,9 +222,7 @@ def validate_text_config(config: Any) -> None:
 
 def validate_vision_config(config: Any) -> None:
     """Every field's own rule, then the head layout the 2D RoPE needs."""
-    for name in VISION_RULES:
-        if hasattr(config, name):
-            check_field(config, name, getattr(config, name))
+    _check_fields(config, VISION_RULES)
     c = config
     _require(c, c.hidden_size % c.num_attention_heads == 0,
              f"hidden_size ({c.hidden_size}) must be divisible by num_attention_heads ({c.num_attention_heads}).")
@@ -231,9 +234,7 @@ def validate_vision_config(config: Any) -> None:
 
 def validate_wrapper_config(config: Any) -> None:
     """weight_mode and image_token_id, and in the quantized mode the widths FP8/FP4 storage groups by 32."""
-    for name in WRAPPER_RULES:
-        if hasattr(config, name):
-            check_field(config, name, getattr(config, name))
+    _check_fields(config, WRAPPER_RULES)
     if config.weight_mode != "quantized" or config.text_config is None:
         return
     t = config.text_config
