@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import statistics
 import sys
 import time
@@ -36,7 +35,7 @@ from modeling_deepseek_v41.cache import DeepseekV41Cache  # noqa: E402
 from modeling_deepseek_v41.layers.engram_hashing import engram_table_rows  # noqa: E402
 from modeling_deepseek_v41.cache.graph_decoder import DeepseekV41CUDAGraphDecoder  # noqa: E402
 
-OFFICIAL = ROOT / "benchmarks" / "released_config.json"
+OFFICIAL = ROOT / "tests" / "fixtures" / "spec" / "official_config.json"
 
 
 def released_config(mode: str, experts: int, engram_rows: int) -> DeepseekV41Config:
