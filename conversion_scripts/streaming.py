@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from modeling_deepseek_v41.loading.weight_checks import invalid_values
+
 from .safetensors_io import PlannedTensor, ShardWriter, shard_file_size
 
 Piece = tuple[str, int, torch.Tensor]  # (tensor name, first row, rows)
@@ -41,8 +43,8 @@ class NonFiniteWeightError(ValueError):
 
 def check_finite(name: str, row_start: int, piece: torch.Tensor) -> None:
     """Raise NonFiniteWeightError naming `name` when a floating piece (FP8/E8M0 included) holds NaN or Inf."""
-    if not piece.is_floating_point():
-        return  # integer storage (packed FP4, token maps) has no non-finite values
+    if not piece.is_floating_point() or piece.numel() == 0 or not bool(invalid_values(piece)):
+        return  # integer storage (packed FP4, token maps) has no non-finite values; one reduction pass otherwise
     bad = ~torch.isfinite(piece if piece.dtype.itemsize > 1 else piece.float())
     if bool(bad.any()):
         first = int(bad.reshape(bad.shape[0], -1).any(dim=1).nonzero()[0, 0]) + row_start if piece.dim() else 0

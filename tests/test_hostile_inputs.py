@@ -193,7 +193,7 @@ def test_a_file_or_a_missing_folder_is_not_sent_to_the_hub(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu, torch.bfloat16,
                                    torch.float16, torch.float32])
 def test_the_finiteness_check_agrees_with_isfinite_on_every_code(dtype):
-    from modeling_deepseek_v41.loading.weight_checks import _invalid_values
+    from modeling_deepseek_v41.loading.weight_checks import invalid_values
 
     width = torch.empty(0, dtype=dtype).element_size()
     codes = torch.arange(256, dtype=torch.uint8) if width == 1 else torch.tensor(
@@ -203,4 +203,4 @@ def test_the_finiteness_check_agrees_with_isfinite_on_every_code(dtype):
         value = (one.view(dtype) if width == 1 else (one << 16).view(torch.float32) if width == 4
                  else one.to(torch.int16).view(dtype))
         expected = not bool(torch.isfinite(value.float()).all())
-        assert bool(_invalid_values(torch.cat([torch.zeros(7, dtype=dtype), value]))) == expected, int(code)
+        assert bool(invalid_values(torch.cat([torch.zeros(7, dtype=dtype), value]))) == expected, int(code)
