@@ -188,8 +188,9 @@ def check_checkpoint_folder(folder: str | os.PathLike, held: dict[str, tuple[tup
     return dict(Counter(pattern_of(n) for n in found))
 
 
-def checkpoint_has_prefix(folder: str | os.PathLike, prefix: str) -> bool:
-    """Whether any tensor of a local checkpoint folder starts with `prefix` (from the index or the headers)."""
+def checkpoint_has_prefix(folder: str | os.PathLike, prefix: str | tuple[str, ...]) -> bool:
+    """Whether any tensor of a local checkpoint folder starts with `prefix` (or one of several; from the index or
+    the headers)."""
     index = Path(folder) / "model.safetensors.index.json"
     if index.exists():
         return any(name.startswith(prefix) for name in read_weight_map(index))

@@ -8,7 +8,6 @@ layer runs (`layers.engram.prefetch_engram_rows`); the Engram layer then picks u
 
 from __future__ import annotations
 
-import json
 import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -18,7 +17,8 @@ from pathlib import Path
 import torch
 
 from ..layers.engram import PendingRows
-from .checkpoint_layout import SAFETENSORS_DTYPES, checkpoint_files, read_safetensors_header, safetensors_header
+from .checkpoint_layout import (SAFETENSORS_DTYPES, checkpoint_files, read_safetensors_header, read_weight_map,
+                                safetensors_header)
 
 HOST_COPY_CHUNK = 1 << 26  # bytes copied per step from the file into host memory (bounds the transient pages)
 
@@ -77,7 +77,7 @@ def checkpoint_file_for(folder: str | os.PathLike, name: str) -> Path:
     folder = Path(folder)
     index = folder / "model.safetensors.index.json"
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = read_weight_map(index)
         if name in weight_map:
             return folder / weight_map[name]
     else:

@@ -108,7 +108,7 @@ def check_checkpoint(model: nn.Module, folder, ignore_mismatched_sizes: bool) ->
         return
     if isinstance(folder, (str, os.PathLike)) and os.path.isdir(folder) and not ignore_mismatched_sizes:
         # save_pretrained(save_original_format=False) keeps the module names: nothing to map back
-        mapped = checkpoint_has_prefix(folder, "model.") or checkpoint_has_prefix(folder, "lm_head.")
+        mapped = checkpoint_has_prefix(folder, ("model.", "lm_head."))
         rename = (lambda name: name) if mapped else hub_name
         held = held_tensors(model, rename)
         if _saved_base_model(folder):  # a DeepseekV41Model save has no head: transformers initialises and reports it

@@ -9,23 +9,23 @@ import torch
 
 from ..config.configuration_deepseek_v41 import config_with_device_engram
 from ..loading.checkpoint_layout import check_checkpoint_folder, stored_tensors
-from ..loading.loader import hub_name
+from ..loading.loader import held_tensors
 from .causal_lm import DeepseekV41ForCausalLM
 
 
-def held_tensors(config) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def config_tensors(config) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """hub name -> (shape, dtype) of every tensor a model of `config` holds, built on the meta device (no memory)."""
     with torch.device("meta"):
         model = DeepseekV41ForCausalLM(config_with_device_engram(config))  # host/mmap tables are stored too
-    return {hub_name(name): (tuple(tensor.shape), tensor.dtype) for name, tensor in model.state_dict().items()}
+    return held_tensors(model)
 
 
 def expected_tensors(config, hub_layout: bool = True) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """name -> (shape, stored dtype) of the checkpoint of a model of `config` (the hub's layout by default)."""
-    return stored_tensors(held_tensors(config), hub_layout=hub_layout)
+    return stored_tensors(config_tensors(config), hub_layout=hub_layout)
 
 
 def validate_checkpoint_folder(folder: str | os.PathLike, config, hub_layout: bool | None = None) -> dict:
     """Check a local checkpoint folder against `config` from its headers alone; raise naming every problem.
     Returns the per-pattern tensor counts found."""
-    return check_checkpoint_folder(folder, held_tensors(config), hub_layout=hub_layout)
+    return check_checkpoint_folder(folder, config_tensors(config), hub_layout=hub_layout)
