@@ -237,12 +237,19 @@ class DeepseekV41Cache(KVAccessMixin, StaticDecodeMixin, Cache):
         for pool in self.pools.values():
             if pool.ratio > 1:
                 pool.carry = pool.carry_at(self.lengths)
+
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select_rows(indices, validate=True)
+
+    def _select_rows(self, indices: torch.Tensor, validate: bool) -> None:
+        """Keep (and reorder, repeat) the rows `indices` of every tensor the cache holds; `validate` checks the
+        caller's indices first (one host read)."""
         if not self.is_initialized:
             return
         if self.is_static:
             raise ValueError("Cannot reorder a static cache's rows; call cache.end_static() first.")
-        check_row_indices(indices, self.lengths.shape[0])
+        if validate:
+            check_row_indices(indices, self.lengths.shape[0])
         indices = indices.to(self.lengths.device)
         self.lengths = self.lengths.index_select(0, indices)
         self._history.select(indices)
@@ -264,8 +271,8 @@ class DeepseekV41Cache(KVAccessMixin, StaticDecodeMixin, Cache):
         self.batch_select_indices(beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.is_initialized:
-            self.batch_select_indices(torch.arange(self.lengths.shape[0]).repeat_interleave(repeats))
+        if self.is_initialized:  # indices built here are valid by construction: no check, no host read
+            self._select_rows(torch.arange(self.lengths.shape[0]).repeat_interleave(repeats), validate=False)
 
     # -- persistence ----------------------------------------------------------------------------------------
     def save(self, path, model) -> "Path":

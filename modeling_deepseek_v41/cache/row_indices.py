@@ -17,7 +17,7 @@ def check_row_indices(indices, batch: int) -> None:
     if indices.dim() != 1 or indices.numel() == 0:
         raise ValueError(f"reorder_cache needs a non-empty 1-D tensor of row indices, got shape "
                          f"{tuple(indices.shape)}.")
-    low, high = int(indices.min()), int(indices.max())
+    low, high = torch.stack(torch.aminmax(indices)).tolist()
     if low < 0 or high >= batch:
         raise ValueError(f"reorder_cache got row index {low if low < 0 else high}, but the cache holds {batch} rows: "
                          f"indices must lie in [0, {batch - 1}] (negative indices are not accepted).")
