@@ -23,7 +23,7 @@ from transformers import Trainer
 
 from modeling_deepseek_v41.layers.rotary import rope_angles
 from modeling_deepseek_v41.model.causal_lm import DeepseekV41ForCausalLM
-from modeling_deepseek_v41.model.dspark import dspark_forward, project_taps
+from modeling_deepseek_v41.model.dspark import dspark_forward
 
 TEXT = -1
 DSPARK_LOSS_WEIGHTS = (0.1, 0.9, 1.0)  # cross-entropy, L1 distillation, confidence BCE
@@ -143,7 +143,7 @@ def dspark_training_logits(model, input_ids: torch.Tensor, taps: torch.Tensor, a
     window_valid = (window_index >= 0) & anchor_valid.unsqueeze(-1)
     window_index = window_index.clamp_min(0)
 
-    main_x = project_taps(model, taps.to(model.model.mtp[0].main_proj.weight.dtype))
+    main_x = model.model.project_taps(taps.to(model.model.mtp[0].main_proj.weight.dtype))
     block_ids = torch.full_like(prev_tokens, cfg.dspark_noise_token_id)
     block_ids[..., 0] = prev_tokens[..., 0]
     flat_window = window_index.flatten(1)  # [B, A*W]

@@ -31,13 +31,13 @@ class DeepseekV41LayerView(CacheLayerMixin):
         return self.cache.batch_size
 
     def get_seq_length(self) -> int:
-        return self.cache.columns
+        return self.cache.get_seq_length(self.layer_idx)
 
     def get_max_length(self) -> int:
-        return -1
+        return self.cache.get_max_length(self.layer_idx)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.cache.columns + query_length, 0
+        return self.cache.get_mask_sizes(query_length, self.layer_idx)
 
     def _whole_cache_only(self, name: str):
         raise ValueError(f"DeepseekV41Cache layers share their pools: call cache.{name}(...) on the whole cache, "

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from .compressor import DeepseekV41Compressor
-from .indexer import DeepseekV41Indexer
+from .indexer import QUERY_CHUNK, DeepseekV41Indexer  # queries attended per step: as many as are indexed
 from ..config.layer_plan import LayerSpec
 from ..kernels.linear import DeepseekV41RMSNorm
 from ..kernels.numerics import fp4_quantize_rows, fp8_act_qdq, weight_dtype
@@ -19,7 +19,6 @@ from .rotary import apply_rope_tail, rope_angles
 from ..kernels.sparse_attention import sparse_attention
 
 POOL_FP4_BLOCK = 16  # compressed KV: FP4 with E4M3 scales per 16 values
-QUERY_CHUNK = 1024  # queries attended (and indexed) per step of a long prefill
 
 
 @dataclass

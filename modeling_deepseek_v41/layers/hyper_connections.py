@@ -59,3 +59,11 @@ def hc_expand(output: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, 
     """stream_j = post[j] * output + sum_i comb[i][j] * residual_i, cast back to the output dtype."""
     y = post.unsqueeze(-1) * output.unsqueeze(-2) + torch.sum(comb.unsqueeze(-1) * residual.unsqueeze(-2), dim=2)
     return y.to(output.dtype)
+
+
+def initial_streams(hidden: torch.Tensor, hc_mult: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The embeddings copied into the hc streams, and the one-hot collapse weights of the first block."""
+    streams = hidden.unsqueeze(2).repeat(1, 1, hc_mult, 1)
+    pre_mix = torch.zeros(*streams.shape[:3], dtype=compute_dtype(streams), device=streams.device)
+    pre_mix[..., 0] = 1.0
+    return streams, pre_mix

@@ -16,17 +16,17 @@ from ..cache.chunk_store import ChunkStore
 from ..config.configuration_deepseek_v41 import DeepseekV41Config
 from ..config.layer_plan import LayerPlan
 from ..kernels.linear import DeepseekV41RMSNorm
-from ..kernels.numerics import compute_dtype, weight_dtype
+from ..kernels.numerics import weight_dtype
 from ..layers.attention import ForwardShare
 from ..layers.block import DeepseekV41BackboneBlock
 from ..layers.dspark import DeepseekV41DSparkBlock
 from ..layers.engram import prefetch_engram_rows
 from ..layers.engram_hashing import DEAD, EngramHashLayout, engram_hash_ids, ngram_window
-from ..layers.hyper_connections import hc_collapse
+from ..layers.hyper_connections import hc_collapse, initial_streams
 from ..layers.rotary import DeepseekV41Rotary
 from ..layers.vision import DeepseekV41VisionAligner, DeepseekV41VisionTower, embed_images, merge_image_embeddings
 from ..loading.loader import compressed_token_map
-from .inputs import check_forward_inputs
+from .inputs import check_forward_inputs, reads_values
 from .pretrained import DeepseekV41PreTrainedModel
 
 PREFILL_MODES = ("exact", "bounded_replay")
@@ -86,14 +86,6 @@ class BackboneRun:
     experts: list[torch.Tensor]
     taps: list[torch.Tensor]  # DSpark taps in dspark_target_layer_ids order
     positions: torch.Tensor  # [B, T] positions of the tokens the last layers ran on (the taps' positions)
-
-
-def initial_streams(hidden: torch.Tensor, hc_mult: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The embeddings copied into the hc streams, and the one-hot collapse weights of the first block."""
-    streams = hidden.unsqueeze(2).repeat(1, 1, hc_mult, 1)
-    pre_mix = torch.zeros(*streams.shape[:3], dtype=compute_dtype(streams), device=streams.device)
-    pre_mix[..., 0] = 1.0
-    return streams, pre_mix
 
 
 class DeepseekV41Model(DeepseekV41PreTrainedModel):
@@ -201,16 +193,17 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
             run = self.run_backbone_bounded(hidden, context, replay)
         else:
             run = self.run_backbone(hidden, context, output_hidden_states=bool(output_hidden_states))
-        streams, pre_mix, taps = run.streams, run.pre_mix, run.taps
-        if store.dspark and taps:
+        streams, pre_mix = run.streams, run.pre_mix
+        tapped = torch.cat(run.taps, dim=-1) if run.taps else None
+        if store.dspark and tapped is not None:
             spec = self.mtp[0].spec
-            rotation = context.rotations[(spec.rope_theta, spec.use_yarn)][0][:, -taps[0].shape[1]:]
-            self.feed_drafter_rings(torch.cat(taps, dim=-1), run.positions, rotation, store)
+            rotation = context.rotations[(spec.rope_theta, spec.use_yarn)][0][:, -tapped.shape[1]:]
+            self.feed_drafter_rings(tapped, run.positions, rotation, store)
         store.commit(input_ids, context.positions, replayed)
         all_streams = run.all_streams
         if replayed:  # the replayed tokens only rebuilt windows: report the caller's tokens
             streams, pre_mix = streams[:, replayed:], pre_mix[:, replayed:]
-            taps = [tap[:, replayed:] for tap in taps]
+            tapped = None if tapped is None else tapped[:, replayed:]
             all_streams = None if all_streams is None else tuple(s[:, replayed:] for s in all_streams)
         return DeepseekV41ModelOutput(
             last_hidden_state=self.norm(hc_collapse(streams, pre_mix)), cache=cache,
@@ -219,7 +212,7 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
             hc_streams=all_streams,
             router_logits=tuple(run.router_logits) if output_router_logits else None,
             router_experts=tuple(run.experts) if output_router_logits else None,
-            dspark_hidden=torch.cat(taps, dim=-1) if taps else None,
+            dspark_hidden=tapped,
         )
 
     def _ids_for(self, input_ids, inputs_embeds, cache, use_cache) -> tuple[torch.Tensor, bool]:
@@ -262,13 +255,18 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         with torch.no_grad():
             self.engram_token_map.copy_(token_map.to(self.engram_token_map.device))
 
+    def token_map_missing(self) -> bool:
+        """Whether this model has Engram layers whose compressed token map is not built yet (-1 entries)."""
+        return hasattr(self, "engram_token_map") and bool((self.engram_token_map < 0).any())
+
     def engram_rows(self, input_ids: torch.Tensor, dead: torch.Tensor | None, store=None, replayed: int = 0
                     ) -> torch.Tensor:
         """Global Engram table rows [B,S,n_engram_layers,columns] of every position of `input_ids`; with a cache
         as the `store`, n-grams reach back into the cached history."""
         store = ChunkStore() if store is None else store
         token_map = self.engram_token_map
-        if not torch.compiler.is_compiling() and not store.is_static and bool((token_map < 0).any()):  # host read
+        # a host read: skipped by one-token accelerator steps, like the input checks (the prefill already ran it)
+        if reads_values(input_ids) and not store.is_static and self.token_map_missing():
             raise RuntimeError(
                 "The Engram compressed token map has not been built. Load the model with from_pretrained from a "
                 "folder that has the tokenizer files, or call model.build_engram_token_map(tokenizer); for an "

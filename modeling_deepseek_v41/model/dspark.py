@@ -11,19 +11,13 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation.candidate_generator import CandidateGenerator
 
-from ..layers.hyper_connections import hc_collapse
-from .backbone import initial_streams
+from ..layers.hyper_connections import hc_collapse, initial_streams
 
 
 class Draft(NamedTuple):
     ids: torch.Tensor  # [B, block+1]: the given next token, then the drafted tokens
     logits: torch.Tensor  # [B, block, V] fp32, Markov bias included
     confidence: torch.Tensor  # [B, block] raw confidence scores (no sigmoid)
-
-
-def project_taps(model, taps: torch.Tensor) -> torch.Tensor:
-    """The backbone taps projected into the drafter's width (see `DeepseekV41Model.project_taps`)."""
-    return model.model.project_taps(taps)
 
 
 def dspark_forward(model, block_ids: torch.Tensor, rotation: torch.Tensor,

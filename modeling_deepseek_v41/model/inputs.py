@@ -12,7 +12,7 @@ import torch
 from ..kernels.dispatch import fast_path
 
 
-def _reads_values(input_ids: torch.Tensor) -> bool:
+def reads_values(input_ids: torch.Tensor) -> bool:
     """Whether checks that read tensor values run: never while tracing (a compiled or exported step cannot read
     them), and on an accelerator not for one-token steps (no host sync in decoding)."""
     if torch.compiler.is_compiling():
@@ -37,7 +37,7 @@ def check_forward_inputs(config, input_ids, attention_mask=None, token_types=Non
     if input_ids.numel() == 0:
         raise ValueError(f"input_ids is empty (shape {tuple(input_ids.shape)}); pass at least one token per row.")
     vocab = config.get_text_config().vocab_size
-    reads = _reads_values(input_ids)
+    reads = reads_values(input_ids)
     if reads:
         low, high = int(input_ids.min()), int(input_ids.max())
         if low < 0 or high >= vocab:

@@ -114,7 +114,7 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
         loader.attach_engram_tables(model, pretrained_model_name_or_path, hub_kwargs)
         loader.spread_over_devices(model)
         base = model.base_model
-        if hasattr(base, "engram_token_map") and bool((base.engram_token_map < 0).any()):
+        if base.token_map_missing():
             if pretrained_model_name_or_path is None:  # weights from a state_dict: no folder to read a tokenizer from
                 loader.fill_placeholder_token_map(base, "the given state_dict has no engram_token_map")
             else:
@@ -129,7 +129,7 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
         token map (with a warning), since there is no tokenizer to build it from."""
         model = super()._from_config(config, **kwargs)
         base = model.base_model
-        if hasattr(base, "engram_token_map") and bool((base.engram_token_map < 0).any()):
+        if base.token_map_missing():
             loader.fill_placeholder_token_map(base, "the model was built from a config, without a tokenizer")
         return model
 
