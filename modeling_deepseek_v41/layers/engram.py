@@ -8,15 +8,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..kernels.numerics import WEIGHT_BLOCK, compute_dtype, weight_dtype
+from ..kernels.numerics import WEIGHT_BLOCK, compute_dtype, fp8_dequantize_rows, weight_dtype
 from ..kernels.linear import DeepseekV41Linear
 
 
 def looked_up_rows(rows: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
     """Table rows as the Engram layer uses them: FP8 rows dequantized exactly (to bf16), dense rows as stored."""
-    if scales is None:
-        return rows
-    return (rows.float().unflatten(-1, (-1, WEIGHT_BLOCK)) * scales.float().unsqueeze(-1)).flatten(-2).to(torch.bfloat16)
+    return rows if scales is None else fp8_dequantize_rows(rows, scales, torch.bfloat16)
 
 
 @dataclass
@@ -74,9 +72,9 @@ class DeepseekV41EngramTable(nn.Module):
     def dequantize_(self, dtype: torch.dtype = torch.bfloat16) -> None:
         if not self.quantized:
             return
-        dense = (self.weight.float().unflatten(-1, (-1, WEIGHT_BLOCK)) * self.scale.float().unsqueeze(-1)).flatten(-2)
+        dense = fp8_dequantize_rows(self.weight, self.scale, dtype)
         del self.weight, self.scale
-        self.weight = nn.Parameter(dense.to(dtype))
+        self.weight = nn.Parameter(dense)
         self.register_parameter("scale", None)
         self.quantized = False
 

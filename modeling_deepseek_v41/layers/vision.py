@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.linear import DeepseekV41RMSNorm
 from ..kernels.numerics import compute_dtype, weight_dtype
 from ..config.configuration_deepseek_v41 import DeepseekV41VisionConfig
 
@@ -20,21 +21,6 @@ TOKEN_TYPE_IMAGE_START = 0
 TOKEN_TYPE_IMAGE = 1
 TOKEN_TYPE_IMAGE_NEWLINE = 2
 TOKEN_TYPE_IMAGE_END = 3
-
-
-class DeepseekV41VisionRMSNorm(nn.Module):
-    """RMSNorm whose weight lives in fp32; the product with the weight happens before casting back."""
-
-    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=weight_dtype(torch.float32)))
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        input_dtype = hidden_states.dtype
-        x = hidden_states.to(compute_dtype(input_dtype))
-        x = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.eps)
-        return (self.weight * x).to(input_dtype)
 
 
 def vision_rope_angles(
@@ -111,9 +97,9 @@ class DeepseekV41VisionBlock(nn.Module):
 
     def __init__(self, config: DeepseekV41VisionConfig) -> None:
         super().__init__()
-        self.norm1 = DeepseekV41VisionRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm1 = DeepseekV41RMSNorm(config.hidden_size, config.rms_norm_eps, torch.float32)
         self.attn = DeepseekV41VisionAttention(config)
-        self.norm2 = DeepseekV41VisionRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm2 = DeepseekV41RMSNorm(config.hidden_size, config.rms_norm_eps, torch.float32)
         self.mlp = DeepseekV41VisionMLP(config)
 
     def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -135,7 +121,7 @@ class DeepseekV41VisionTower(nn.Module):
         self.rope_theta = config.rope_theta
         self.patch_embed = DeepseekV41VisionPatchEmbed(config)
         self.blocks = nn.ModuleList(DeepseekV41VisionBlock(config) for _ in range(config.num_hidden_layers))
-        self.norm = DeepseekV41VisionRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = DeepseekV41RMSNorm(config.hidden_size, config.rms_norm_eps, torch.float32)
 
     def forward(self, patches: torch.Tensor, n_vit_h: int, n_vit_w: int) -> torch.Tensor:
         n_vit_h, n_vit_w = int(n_vit_h), int(n_vit_w)
