@@ -150,7 +150,7 @@ def dspark_training_logits(model, input_ids: torch.Tensor, taps: torch.Tensor, a
 
     def stage_window(block, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Each anchor's window of this stage's KV, projected from the taps at their positions."""
-        kv = block.attn.tap_kv(main_x, tap_rotation)  # [B,S,hd]
+        kv = block.attn.window_kv(main_x, tap_rotation)  # [B,S,hd]
         window_kv = kv.gather(1, flat_window.unsqueeze(-1).expand(-1, -1, kv.shape[-1]))
         return window_kv.view(batch * n_anchors, width, kv.shape[-1]).to(dtype), window_valid.flatten(0, 1)
 

@@ -101,13 +101,20 @@ class DeepseekV41Attention(nn.Module):
             o = torch.einsum("bsgd,grd->bsgr", o, wo_a)
         return self.wo_b(o.flatten(2))
 
+    def queries(self, x: torch.Tensor, rotation: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the normed low-rank query qr, the RoPE'd queries [B,S,H,hd]) of x [B,S,D]."""
+        qr = self.q_norm(self.wq_a(x))
+        return qr, apply_rope_tail(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), rotation, self.rope_dim)
+
+    def window_kv(self, x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+        """The single K=V latent [B,S,hd] of x, RoPE'd and FP8-QDQ'd as every window entry is."""
+        return fp8_act_qdq(apply_rope_tail(self.kv_norm(self.wkv(x)), rotation, self.rope_dim))
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotation: torch.Tensor, inv_freq: torch.Tensor,
                 share) -> torch.Tensor:
         """x [B,S,D] normed; positions [B,S] (-1: padding); rotation [B,S,rope/2] at the query positions."""
-        qr = self.q_norm(self.wq_a(x))
-        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
-        q = apply_rope_tail(q, rotation, self.rope_dim)
-        kv = fp8_act_qdq(apply_rope_tail(self.kv_norm(self.wkv(x)), rotation, self.rope_dim))
+        qr, q = self.queries(x, rotation)
+        kv = self.window_kv(x, rotation)
         spec = self.spec
         selected = None
         if spec.ratio:

@@ -9,7 +9,7 @@ from .attention import DeepseekV41Attention
 from .block import DeepseekV41Block
 from ..config.layer_plan import LayerSpec
 from ..kernels.linear import DeepseekV41RMSNorm
-from ..kernels.numerics import fp8_act_qdq, weight_dtype
+from ..kernels.numerics import weight_dtype
 from ..kernels.linear import DeepseekV41Linear
 from .rotary import apply_rope_tail
 from ..kernels.sparse_attention import sparse_attention
@@ -18,18 +18,13 @@ from ..kernels.sparse_attention import sparse_attention
 class DeepseekV41DSparkAttention(DeepseekV41Attention):
     """Drafter attention: the draft block's queries attend to the stage's window of backbone positions (KV
     projected from the backbone taps, kept in the cache's ring for this stage) and to all block positions, with
-    no causal mask inside the block."""
-
-    def tap_kv(self, main_x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
-        """Window KV of the backbone positions, from the projected taps (FP8-QDQ'd like any window KV)."""
-        return fp8_act_qdq(apply_rope_tail(self.kv_norm(self.wkv(main_x)), rotation, self.rope_dim))
+    no causal mask inside the block. The window's KV comes from the projected backbone taps (`window_kv`)."""
 
     def forward(self, x: torch.Tensor, rotation: torch.Tensor, window_kv: torch.Tensor,
                 window_valid: torch.Tensor) -> torch.Tensor:
         """x [B,K,D] normed draft block at rotation [B,K,rope/2]; window_kv [B,L,hd] with validity [B,L]."""
-        qr = self.q_norm(self.wq_a(x))
-        q = apply_rope_tail(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), rotation, self.rope_dim)
-        block_kv = fp8_act_qdq(apply_rope_tail(self.kv_norm(self.wkv(x)), rotation, self.rope_dim))
+        _, q = self.queries(x, rotation)
+        block_kv = self.window_kv(x, rotation)
         size = x.shape[1]
         entries = torch.cat([window_kv, block_kv], dim=1).unsqueeze(1).expand(-1, size, -1, -1)
         valid = torch.cat([window_valid, window_valid.new_ones(x.shape[0], size)], dim=1)

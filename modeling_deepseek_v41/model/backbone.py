@@ -246,7 +246,7 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         """Write every processed position's drafter window KV (from the projected taps) into each stage's ring."""
         main_x = self.project_taps(taps)
         for block in self.mtp:
-            cache.write_window(block.spec.layer_id, block.attn.tap_kv(main_x, rotation), positions)
+            cache.write_window(block.spec.layer_id, block.attn.window_kv(main_x, rotation), positions)
 
     def build_engram_token_map(self, tokenizer) -> None:
         """Build the Engram compressed token map from `tokenizer` (it is saved with the model afterwards)."""
