@@ -18,6 +18,7 @@ QUANT_GROUP = 32  # FP8/FP4 scales and the FP8 activation QDQ cover groups of 32
 TEXT_MODEL_TYPE = "deepseek_v41_text"
 VISION_MODEL_TYPE = "deepseek_v41_vision"
 WRAPPER_MODEL_TYPE = "deepseek_v41"
+PREFILL_MODES = ("exact", "bounded_replay")  # every prompt token through every layer, or CED's serving path
 
 Rule = tuple[Callable[[Any], bool], str]  # (accepts the value, what the value must be)
 
@@ -120,7 +121,7 @@ TEXT_RULES: dict[str, Rule] = {
     "dspark_n_routed_experts": NON_NEGATIVE,
     "dspark_num_experts_per_tok": NON_NEGATIVE,
     "router_aux_loss_coef": real_above(0.0, inclusive=True),
-    "prefill_mode": one_of("exact", "bounded_replay"),
+    "prefill_mode": one_of(*PREFILL_MODES),
     "initializer_range": real_above(0.0, inclusive=True),
 }
 

@@ -10,17 +10,6 @@ from transformers import PreTrainedConfig
 from .config_validation import ValidatedConfig
 from .layer_plan import LayerPlan
 
-WEIGHT_MODES = ("quantized", "bf16")
-ENGRAM_STORAGES = ("device", "host", "mmap")  # where the Engram tables live (see engram_storage.py)
-
-
-def check_engram_storage(storage: str) -> str:
-    """A valid Engram table placement, or a clear error naming the choices."""
-    if storage not in ENGRAM_STORAGES:
-        raise ValueError(f"engram_storage must be one of {ENGRAM_STORAGES}, got {storage!r}.")
-    return storage
-
-
 class DeepseekV41TextConfig(ValidatedConfig, PreTrainedConfig):
     """The text backbone, its CSA2 layer schedule, Engram and the DSpark drafter.
 
@@ -156,7 +145,7 @@ class DeepseekV41TextConfig(ValidatedConfig, PreTrainedConfig):
         self.engram_head_dim = engram_head_dim
         self.engram_pad_token_id = engram_pad_token_id
         self.engram_compressed_vocab_size = engram_compressed_vocab_size
-        self.engram_storage = check_engram_storage(engram_storage)
+        self.engram_storage = engram_storage  # where the Engram tables live (see loading/engram_storage.py)
         self.num_nextn_predict_layers = num_nextn_predict_layers
         self.dspark_block_size = dspark_block_size
         self.dspark_noise_token_id = dspark_noise_token_id
@@ -168,8 +157,6 @@ class DeepseekV41TextConfig(ValidatedConfig, PreTrainedConfig):
         self.dspark_num_experts_per_tok = dspark_num_experts_per_tok
         self.router_aux_loss_coef = router_aux_loss_coef
         # "exact" runs every prompt token through every layer; "bounded_replay" is the CED serving path
-        if prefill_mode not in ("exact", "bounded_replay"):
-            raise ValueError(f"prefill_mode must be 'exact' or 'bounded_replay', got {prefill_mode!r}.")
         self.prefill_mode = prefill_mode
         self.initializer_range = initializer_range
         self.use_cache = use_cache
@@ -223,11 +210,6 @@ class DeepseekV41VisionConfig(ValidatedConfig, PreTrainedConfig):
         self.max_wh_ratio = max_wh_ratio
         self.rms_norm_eps = rms_norm_eps
         super().__init__(**kwargs)
-        if hidden_size % num_attention_heads:
-            raise ValueError(
-                f"vision_config: hidden_size ({hidden_size}) must be divisible by num_attention_heads "
-                f"({num_attention_heads})."
-            )
 
 
 class DeepseekV41Config(ValidatedConfig, PreTrainedConfig):
@@ -290,8 +272,6 @@ class DeepseekV41Config(ValidatedConfig, PreTrainedConfig):
         self.checkpoint_quantization = quantization_config
         if weight_mode is None:
             weight_mode = "quantized" if quantization_config is not None else "bf16"
-        if weight_mode not in WEIGHT_MODES:
-            raise ValueError(f"weight_mode must be one of {WEIGHT_MODES}, got {weight_mode!r}.")
         if weight_mode == "quantized" and quantization_config is None:
             raise ValueError(
                 "weight_mode='quantized' needs a checkpoint that stores quantized weights (a quantization_config); "
@@ -311,7 +291,7 @@ class DeepseekV41Config(ValidatedConfig, PreTrainedConfig):
 
     @engram_storage.setter
     def engram_storage(self, storage: str) -> None:
-        self.text_config.engram_storage = check_engram_storage(storage)
+        self.text_config.engram_storage = storage  # checked by the text config's own rule
 
     def to_dict(self) -> dict[str, Any]:
         output = super().to_dict()

@@ -13,6 +13,7 @@ from transformers.utils.generic import can_return_tuple
 
 from ..cache.cache import DeepseekV41Cache
 from ..cache.chunk_store import ChunkStore
+from ..config.config_validation import PREFILL_MODES
 from ..config.configuration_deepseek_v41 import DeepseekV41Config
 from ..config.layer_plan import LayerPlan
 from ..kernels.linear import DeepseekV41RMSNorm
@@ -29,7 +30,6 @@ from ..loading.loader import compressed_token_map
 from .inputs import check_forward_inputs, reads_values
 from .pretrained import DeepseekV41PreTrainedModel
 
-PREFILL_MODES = ("exact", "bounded_replay")
 
 
 @dataclass
