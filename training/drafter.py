@@ -21,7 +21,6 @@ import torch
 from torch.nn import functional as F
 from transformers import Trainer
 
-from modeling_deepseek_v41.layers.rotary import rope_angles
 from modeling_deepseek_v41.model.causal_lm import DeepseekV41ForCausalLM
 from modeling_deepseek_v41.model.dspark import dspark_forward
 
@@ -133,9 +132,8 @@ def dspark_training_logits(model, input_ids: torch.Tensor, taps: torch.Tensor, a
     anchor_pos = positions.gather(1, anchors)  # [B,A]
     block_pos = anchor_pos.unsqueeze(-1) + 1 + steps
     spec = model.model.mtp[0].spec
-    inv_freq = model.model.rotary.inv_freq(spec.rope_theta, spec.use_yarn, device)
-    block_rotation = rope_angles(block_pos.flatten(0, 1), inv_freq)  # [N,K,rope/2]
-    tap_rotation = rope_angles(positions.clamp_min(0), inv_freq)  # [B,S,rope/2]
+    block_rotation = model.model.rotary.angles(spec, block_pos.flatten(0, 1))  # [N,K,rope/2]
+    tap_rotation = model.model.rotary.angles(spec, positions.clamp_min(0))  # [B,S,rope/2]
 
     # each anchor's window: sequence indices p-W+1 .. p (padding positions are never inside it: right padding)
     width = min(window, seq)

@@ -14,7 +14,9 @@ from torch import nn
 from torch.nn import functional as F
 from transformers import TrainerCallback
 
-from modeling_deepseek_v41.layers.moe import DeepseekV41Gate, gate_scores
+from modeling_deepseek_v41.layers.moe import DeepseekV41Gate
+
+from .lm import router_scores
 
 
 def expert_counts(experts: torch.Tensor, n_experts: int, tokens: torch.Tensor | None = None) -> torch.Tensor:
@@ -33,8 +35,7 @@ def sequence_balance_loss(logits: torch.Tensor, experts: torch.Tensor, batch_siz
     over all experts. It equals 1 when every expert gets the same load and the same mean score.
     """
     n_experts, top_k = logits.shape[-1], experts.shape[-1]
-    scores = gate_scores(logits.float(), scoring_func)
-    scores = (scores / scores.sum(dim=-1, keepdim=True).clamp_min(1e-20)).view(batch_size, -1, n_experts)
+    scores = router_scores(logits, scoring_func).view(batch_size, -1, n_experts)
     mask = torch.ones(scores.shape[:2], device=scores.device) if valid is None else valid.float()
     slots = F.one_hot(experts, n_experts).sum(dim=-2).view(batch_size, -1, n_experts).float()
     tokens = mask.sum(dim=1).clamp_min(1.0)
