@@ -262,7 +262,7 @@ class DeepseekV41ImageProcessor(PilBackend):
     def _prepare_images_structure(self, images: Any, expected_ndims: int = 3) -> list[Any]:
         """One flat list in prompt order, whatever the nesting (a 4-d array or tensor is a batch of images)."""
         flat = []
-        for image in _flatten_images(self.fetch_images(images)):
+        for image in flatten_images(self.fetch_images(images)):
             is_batch = isinstance(image, (np.ndarray, torch.Tensor)) and image.ndim == expected_ndims + 1
             flat.extend(list(image) if is_batch else [image])
         return flat
@@ -339,9 +339,8 @@ class DeepseekV41ImageProcessor(PilBackend):
                                   "image_grids": torch.tensor(grids, dtype=torch.int64)})
 
 
-def _flatten_images(images: Any):
+def flatten_images(images: Any) -> list[Any]:
+    """The images of a possibly nested list (None entries skipped), in order."""
     if isinstance(images, (list, tuple)):
-        for item in images:
-            yield from _flatten_images(item)
-    elif images is not None:
-        yield images
+        return [image for item in images for image in flatten_images(item)]
+    return [] if images is None else [images]

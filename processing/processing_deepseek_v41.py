@@ -16,6 +16,7 @@ from .image_processing_deepseek_v41 import (
     TOKEN_TYPE_TEXT,
     DeepseekV41ImageProcessor,
     DeepseekV41ImageProcessorKwargs,
+    flatten_images,
     span_length,
     span_token_types,
 )
@@ -165,7 +166,7 @@ class DeepseekV41Processor(ProcessorMixin):
         if not all(isinstance(sample, str) for sample in text):
             raise ValueError("`text` must be a string or a list of strings.")
         placeholders = [sample.count(self.image_token) for sample in text]
-        image_list = _flat_images(images)
+        image_list = flatten_images(images)
         if sum(placeholders) != len(image_list):
             raise ValueError(
                 f"The total number of {self.image_token} tokens in the prompts should be the same as the number of "
@@ -174,7 +175,7 @@ class DeepseekV41Processor(ProcessorMixin):
             )
         nested = isinstance(images, (list, tuple)) and all(isinstance(item, (list, tuple)) for item in images)
         if nested and len(text) > 1 and len(images) == len(text):
-            per_sample = [len(_flat_images(item)) for item in images]
+            per_sample = [len(flatten_images(item)) for item in images]
             if per_sample != placeholders:
                 raise ValueError(f"Images per sample {per_sample} do not match placeholders per sample {placeholders}.")
 
@@ -226,14 +227,6 @@ class DeepseekV41Processor(ProcessorMixin):
 
     def decode(self, *args: Any, **kwargs: Any) -> str:
         return self.tokenizer.decode(*args, **kwargs)
-
-
-def _flat_images(images: Any) -> list[Any]:
-    if images is None:
-        return []
-    if isinstance(images, (list, tuple)):
-        return [image for item in images for image in _flat_images(item)]
-    return [images]
 
 
 def _read_model_config(path: str | os.PathLike, kwargs: dict[str, Any]) -> dict[str, Any] | None:
