@@ -22,22 +22,23 @@ COMPONENTS = {
 }
 
 
-def logical_numel(name: str, tensor: torch.Tensor, module_storage: dict[str, str]) -> int:
-    """Weights a tensor stands for: packed FP4 (int8 storage) holds two per byte."""
-    return tensor.numel() * (2 if module_storage.get(name) == "fp4" else 1)
+def logical_parameters(model: nn.Module):
+    """(name, tensor, weights it stands for) of every parameter but E8M0 scales (not weights): packed FP4 (int8
+    storage) holds two weights per byte."""
+    storage = {f"{name}.weight": module.storage for name, module in model.named_modules() if hasattr(module, "storage")}
+    for name, tensor in model.named_parameters():
+        if name.endswith(".scale") and tensor.dtype == torch.float8_e8m0fnu:
+            continue
+        yield name, tensor, tensor.numel() * (2 if storage.get(name) == "fp4" else 1)
 
 
 def count_parameters(model: nn.Module) -> dict[str, int]:
     """Per-component logical parameter counts, plus `other` (norms, hc mixes, gates...) and `backbone`
     (everything but the Engram tables, the DSpark drafter and the vision side). Works on the meta device."""
-    storage = {f"{name}.weight": module.storage for name, module in model.named_modules() if hasattr(module, "storage")}
     counts = dict.fromkeys(list(COMPONENTS) + ["other"], 0)
-    for name, tensor in model.named_parameters():
-        if name.endswith(".scale") and tensor.dtype == torch.float8_e8m0fnu:
-            continue
-        n = logical_numel(name, tensor, storage)
-        group = next((g for g, pattern in COMPONENTS.items() if pattern.search(hub_name(name))), "other")
-        counts[group] += n
+    for name, _, n in logical_parameters(model):
+        hub = hub_name(name)
+        counts[next((g for g, pattern in COMPONENTS.items() if pattern.search(hub)), "other")] += n
     excluded = ("engram_tables", "dspark", "vision_tower", "vision_aligner")
     counts["backbone"] = sum(v for k, v in counts.items() if k not in excluded)
     counts["total"] = sum(v for k, v in counts.items() if k != "backbone")
@@ -48,14 +49,6 @@ def logical_num_parameters(model: nn.Module, only_trainable: bool = False, exclu
     """`PreTrainedModel.num_parameters` in weights rather than stored elements: packed FP4 bytes count two, E8M0
     scales none (a quantized model and its bf16 weight mode give the same count; stored bytes:
     `get_memory_footprint()`)."""
-    storage = {f"{name}.weight": module.storage for name, module in model.named_modules() if hasattr(module, "storage")}
     embeddings = {f"{name}.weight" for name, module in model.named_modules() if isinstance(module, nn.Embedding)}
-    total = 0
-    for name, tensor in model.named_parameters():
-        if (name.endswith(".scale") and tensor.dtype == torch.float8_e8m0fnu) or (only_trainable and
-                                                                                   not tensor.requires_grad):
-            continue
-        if exclude_embeddings and name in embeddings:
-            continue
-        total += logical_numel(name, tensor, storage)
-    return total
+    return sum(n for name, tensor, n in logical_parameters(model)
+               if not (only_trainable and not tensor.requires_grad) and not (exclude_embeddings and name in embeddings))
