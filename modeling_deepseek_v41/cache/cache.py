@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
+from .fingerprint import CACHE_SHAPE_FIELDS
 from .kv_access import KVAccessMixin
 from .layer_view import DeepseekV41LayerView
 from .static import StaticDecodeMixin
@@ -47,9 +48,7 @@ class DeepseekV41Cache(KVAccessMixin, StaticDecodeMixin, Cache):
     @staticmethod
     def signature_of(text_config) -> tuple:
         """What a cache must agree on with the model that uses it."""
-        keys = ("hidden_size", "head_dim", "num_hidden_layers", "compress_ratios", "kv_source_layer_ids",
-                "index_source_layer_ids", "sliding_window", "index_head_dim", "engram_layer_ids", "vocab_size")
-        return tuple((k, str(getattr(text_config, k))) for k in keys)
+        return tuple((k, str(getattr(text_config, k))) for k in CACHE_SHAPE_FIELDS)
 
     # -- lifecycle -------------------------------------------------------------------------------------------
     def reset(self) -> None:

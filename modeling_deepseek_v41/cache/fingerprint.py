@@ -20,15 +20,17 @@ HASH_CHUNK = 1 << 14  # bytes per weighted sum: 255 * 2**20 * 2**14 < 2**53, so 
 BLOCK_ROWS = 256  # chunks widened to float64 at once (32 MiB of temporaries)
 _COEFFICIENT_RANGE = 2**20
 
+# the fields that shape the cache's tensors: a cache must agree on them with the model that uses it
+CACHE_SHAPE_FIELDS = ("hidden_size", "head_dim", "num_hidden_layers", "compress_ratios", "kv_source_layer_ids",
+                      "index_source_layer_ids", "sliding_window", "index_head_dim", "engram_layer_ids", "vocab_size")
 # every text-config field that changes what the pools hold or how attention reads them
-CACHE_CONFIG_FIELDS = (
-    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-    "qk_rope_head_dim", "q_lora_rank", "o_lora_rank", "o_groups", "hidden_act", "swiglu_limit", "rms_norm_eps",
+CACHE_CONFIG_FIELDS = CACHE_SHAPE_FIELDS + (
+    "num_attention_heads", "num_key_value_heads", "qk_rope_head_dim", "q_lora_rank", "o_lora_rank", "o_groups",
+    "hidden_act", "swiglu_limit", "rms_norm_eps",
     "max_position_embeddings", "rope_theta", "rope_parameters", "n_routed_experts", "n_shared_experts",
     "num_experts_per_tok", "scoring_func", "topk_method", "norm_topk_prob", "routed_scaling_factor",
-    "moe_intermediate_size", "sliding_window", "compress_ratios", "compress_rope_theta", "kv_source_layer_ids",
-    "index_source_layer_ids", "index_n_heads", "index_head_dim", "index_topk", "candidate_source_layer_id",
-    "candidate_topk_blocks", "candidate_block_size", "hc_mult", "hc_sinkhorn_iters", "hc_eps", "engram_layer_ids",
+    "moe_intermediate_size", "compress_rope_theta", "index_n_heads", "index_topk", "candidate_source_layer_id",
+    "candidate_topk_blocks", "candidate_block_size", "hc_mult", "hc_sinkhorn_iters", "hc_eps",
     "engram_num_embeddings", "engram_max_ngram_size", "engram_vocab_size", "engram_n_heads", "engram_head_dim",
     "engram_pad_token_id", "engram_compressed_vocab_size",
 )
