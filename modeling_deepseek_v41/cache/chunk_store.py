@@ -46,7 +46,7 @@ class ChunkStore:
     def store_pool(self, source: int, out, rotated: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
                    keys: torch.Tensor, key_codes, positions: torch.Tensor, key_dtype: torch.dtype) -> torch.Tensor:
         self.pool_kv[source] = straight_through(rotated, fp4_dequantize_rows(*kv, rotated.dtype))
-        return keys
+        return straight_through(keys, fp4_dequantize_rows(*key_codes, keys.dtype))  # the FP4 values, keys' gradient
 
     def gather_pool(self, source: int, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return gather_rows(self.pool_kv[source], rows)

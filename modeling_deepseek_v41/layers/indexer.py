@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from ..kernels.linear import DeepseekV41RMSNorm
-from ..kernels.numerics import fp4_dequantize_rows, fp4_qdq, fp4_quantize_rows, straight_through
+from ..kernels.numerics import fp4_qdq, fp4_quantize_rows
 from ..kernels.linear import DeepseekV41Linear
 from .rotary import apply_rope_tail
 from ..kernels.sparse_attention import candidate_mask, candidate_positions, select_candidate_blocks, stable_topk_indices
@@ -41,11 +41,11 @@ class DeepseekV41Indexer(nn.Module):
 
     def keys(self, latents: torch.Tensor, rotation: torch.Tensor
              ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """Index keys of new pool rows from their pre-RoPE latents (rotation at each row's first token): the FP4
-        values and their (codes, scales)."""
+        """Index keys of new pool rows from their pre-RoPE latents (rotation at each row's first token): the keys
+        before FP4 and their FP4 (codes, scales). The store decides what to keep: the packed codes (a cache) or
+        their values (a cache-less forward)."""
         k = apply_rope_tail(self.k_norm(self.wk(latents)), rotation, self.rope_dim)
-        codes, scales = fp4_quantize_rows(k, INDEX_FP4_BLOCK, "e8m0")
-        return straight_through(k, fp4_dequantize_rows(codes, scales, k.dtype)), (codes, scales)
+        return k, fp4_quantize_rows(k, INDEX_FP4_BLOCK, "e8m0")
 
     def forward(self, x: torch.Tensor, qr: torch.Tensor, rotation: torch.Tensor, keys: torch.Tensor,
                 visible: torch.Tensor, share) -> torch.Tensor:
