@@ -21,7 +21,9 @@ from modeling_deepseek_v41.kernels.triton import (  # noqa: E402
     dense_linear, fp4_linear, fp4_to_fp8_weight, fp8_act_qdq, fp8_act_quant, fp8_linear, fp8_row_linear,
     grouped_linear, grouped_moe,
 )
-from modeling_deepseek_v41.kernels.triton.linear import DECODE_MAX_ROWS, split_count  # noqa: E402
+from modeling_deepseek_v41.kernels.triton.linear import (  # noqa: E402
+    DECODE_MAX_ROWS, DECODE_TILE, SPLIT_TARGET_PROGRAMS, split_count,
+)
 from modeling_deepseek_v41.kernels.triton.moe import expert_blocks  # noqa: E402
 from modeling_deepseek_v41.layers.moe import gathered_swiglu  # noqa: E402
 from modeling_deepseek_v41.kernels import numerics  # noqa: E402
@@ -172,9 +174,11 @@ def test_k_slices_past_the_end_read_no_scale(fp8_dot):
 
 
 def test_split_count_depends_on_the_weight_only():
-    assert split_count(64, 512) == (4, 128)
-    assert split_count(5120, 8192)[0] * 80 >= 264
-    assert split_count(32768, 1280) == (1, 1280)
+    bk, bn = DECODE_TILE["BK"], DECODE_TILE["BN"]
+    splits, chunk = split_count(64, 4096)
+    assert chunk % bk == 0 and (splits - 1) * chunk < 4096 <= splits * chunk  # whole K blocks, none empty
+    assert split_count(5120, 8192)[0] * (5120 // bn) >= SPLIT_TARGET_PROGRAMS  # fills the GPU at one row
+    assert split_count(32768, 1280)[0] == 1  # enough column blocks unsplit
 
 
 def _check_batch_invariance(fn, x):
@@ -280,6 +284,20 @@ def test_grouped_moe_matches_emulation(quantized, fp8_dot, dtype):
         reencoded = (fp4_to_fp8_weight(w1), s1, fp4_to_fp8_weight(w3), s3, fp4_to_fp8_weight(w2), s2)
         out8 = grouped_moe(tokens, experts, weights, *reencoded, limit=0.5, fp8_experts=True)
         assert _rel(out8, ref) < 2e-3
+
+
+@pytest.mark.parametrize("quantized", [True, False])
+def test_grouped_moe_split_k_sums_in_one_launch(quantized):
+    """K split across programs (the decode regime's split, forced small here): the last program of each tile adds
+    the partials in split order, so the result matches the emulation and is the same on every call."""
+    n_experts, d, inter, top_k, t = 6, 384, 256, 3, 5
+    stacks = _experts(n_experts, d, inter, quantized, seed=40)
+    tokens = _randn(t, d, seed=43, dtype=torch.bfloat16)
+    experts, weights = _routing(t, n_experts, top_k, seed=44)
+    split = dict(up=128, down=128)  # 3 and 2 splits
+    out = grouped_moe(tokens, experts, weights, *stacks, limit=10.0, k_chunks=split)
+    assert torch.equal(out, grouped_moe(tokens, experts, weights, *stacks, limit=10.0, k_chunks=split))
+    assert _rel(out, _emulated_moe(tokens, experts, weights, stacks, limit=10.0)) < 2e-3
 
 
 def test_grouped_moe_is_batch_invariant():

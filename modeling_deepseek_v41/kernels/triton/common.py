@@ -36,8 +36,11 @@ def round_e4m3(v):
 
 @triton.jit
 def cast(x, DTYPE: tl.constexpr):
-    """fp32 -> DTYPE rounding to nearest even; bf16 done in integer arithmetic (Triton's interpreter truncates)."""
-    if DTYPE == tl.bfloat16:
+    """fp32 -> DTYPE rounding to nearest even; bf16 done in integer arithmetic (Triton's interpreter truncates).
+    A tensor already in DTYPE is returned as it is (no work per element)."""
+    if x.dtype == DTYPE:
+        out = x
+    elif DTYPE == tl.bfloat16:
         bits = x.to(tl.float32).to(tl.int32, bitcast=True)
         out = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True).to(tl.bfloat16)
     else:
@@ -143,33 +146,86 @@ def act_slice_t(x_ptr, rows, row_mask, k0, K, stride_xm, WFMT: tl.constexpr):
 
 
 @triton.jit
+def weight_tile(w_ptr, s_ptr, offs_n, k0, N, K, stride_wn, stride_sn, BK: tl.constexpr, WFMT: tl.constexpr):
+    """The [BN, BK] tile at columns k0.. of a dense or e4m3 weight (not packed FP4) as fp32: dense values as stored,
+    e4m3 ones times their power-of-two scales (exact). One contiguous run of bytes per row."""
+    row_ok = offs_n < N
+    c = tl.arange(0, BK)
+    w = tl.load(w_ptr + offs_n[:, None] * stride_wn + (k0 + c)[None, :],
+                mask=row_ok[:, None] & ((k0 + c) < K)[None, :], other=0.0).to(tl.float32)
+    if WFMT != 0:
+        groups = k0 // 32 + tl.arange(0, BK // 32)
+        scale_rows = offs_n // 32 if WFMT == 1 else offs_n
+        # groups past K read no scale (1.0): past the row lies another row's scale or unowned memory, 0 x inf = NaN
+        scale = e8m0_value(s_ptr + scale_rows[:, None] * stride_sn + groups[None, :],
+                           row_ok[:, None] & (groups * 32 < K)[None, :])
+        w = tl.reshape(tl.reshape(w, [offs_n.shape[0], BK // 32, 32]) * scale[:, :, None], [offs_n.shape[0], BK])
+    return w
+
+
+@triton.jit
 def dot_k_range(acc, w_ptr, s_ptr, x_ptr, xs_ptr, offs_n, rows, row_mask, k_start, k_stop, N, K,
                 stride_wn, stride_sn, stride_xm, stride_xsm,
                 BK: tl.constexpr, WFMT: tl.constexpr, FP8_DOT: tl.constexpr, X_DTYPE: tl.constexpr,
                 DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr):
-    """acc[BN, BM] += W[offs_n, k_start:k_stop] @ X[rows, k_start:k_stop]^T in 32-wide slices, fixed order.
+    """acc[BN, BM] += W[offs_n, k_start:k_stop] @ X[rows, k_start:k_stop]^T, BK columns at a time, fixed order.
 
-    FP8_DOT: e4m3 weight values times e4m3 activations (x_ptr, with fp32 scales per row and 32 at xs_ptr) on the
-    FP8 tensor cores, both power-of-two scales applied to each slice's fp32 result. Otherwise the weight is
-    dequantized exactly to DOT_DTYPE (e4m3/e2m1 times a power of two is exact in bf16) and multiplied with the
-    activations rounded to X_DTYPE (already exactly QDQ'd for quantized weights; the weight's dtype for dense
-    ones, as F.linear(x.to(w.dtype), w) does), accumulating in fp32."""
+    Default: each [BN, BK] weight tile (packed FP4: each 32-wide slice) dequantized exactly to DOT_DTYPE in
+    registers (e4m3/e2m1 times a power of two is exact in bf16) and multiplied in one tensor-core dot with the
+    activations rounded to X_DTYPE (for quantized weights already exactly QDQ'd, so exact in bf16; for dense ones
+    the weight's dtype, as F.linear(x.to(w.dtype), w) does): exact products, fp32 accumulation.
+    FP8_DOT: e4m3 weight values (FP4 nibbles re-encoded to e4m3) times e4m3 activations (x_ptr, with fp32 scales per
+    row and 32 at xs_ptr) on the FP8 tensor cores, 32 columns per dot, both power-of-two scales applied to each
+    slice's fp32 result; Hopper's FP8 dots sum below fp32 precision."""
     for k in range(k_start, k_stop, BK):
-        for j in tl.static_range(BK // 32):
-            k0 = k + j * 32
-            w = weight_slice(w_ptr, offs_n, k0, N, K, stride_wn, WFMT)
-            x = act_slice_t(x_ptr, rows, row_mask, k0, K, stride_xm, WFMT)
-            if FP8_DOT:
+        if FP8_DOT:
+            for j in tl.static_range(BK // 32):
+                k0 = k + j * 32
+                w = weight_slice(w_ptr, offs_n, k0, N, K, stride_wn, WFMT)
+                x = act_slice_t(x_ptr, rows, row_mask, k0, K, stride_xm, WFMT)
                 ws = weight_scale(s_ptr, offs_n, k0, N, K, stride_sn, WFMT)
                 xs = tl.load(xs_ptr + rows * stride_xsm + k0 // 32, mask=row_mask & (rows * 0 + k0 < K), other=1.0)
-                acc += tl.dot(w, x) * (ws[:, None] * xs[None, :])
-            else:
-                if WFMT != 0:
-                    w = w.to(tl.float32) * weight_scale(s_ptr, offs_n, k0, N, K, stride_sn, WFMT)[:, None]
-                w = w.to(DOT_DTYPE)
-                x = cast(x, X_DTYPE).to(DOT_DTYPE)
+                if IEEE:  # the interpreter: the same e4m3 values in fp32
+                    part = tl.dot(w.to(tl.float32), x.to(tl.float32), input_precision="ieee")
+                else:
+                    part = tl.dot(w, x)
+                acc += part * (ws[:, None] * xs[None, :])
+        elif WFMT == 2:  # packed FP4: 32-wide slices, nibbles re-encoded as e4m3 (cheaper than whole-tile unpacking)
+            for j in tl.static_range(BK // 32):
+                k0 = k + j * 32
+                w = weight_slice(w_ptr, offs_n, k0, N, K, stride_wn, WFMT).to(tl.float32)
+                w = (w * weight_scale(s_ptr, offs_n, k0, N, K, stride_sn, WFMT)[:, None]).to(DOT_DTYPE)
+                x = cast(act_slice_t(x_ptr, rows, row_mask, k0, K, stride_xm, WFMT), X_DTYPE).to(DOT_DTYPE)
                 if IEEE:
                     acc = tl.dot(w, x, acc, input_precision="ieee")
                 else:
                     acc = tl.dot(w, x, acc)
+        else:
+            w = weight_tile(w_ptr, s_ptr, offs_n, k, N, K, stride_wn, stride_sn, BK, WFMT).to(DOT_DTYPE)
+            cols = k + tl.arange(0, BK)
+            x = tl.load(x_ptr + rows[None, :] * stride_xm + cols[:, None],
+                        mask=(cols[:, None] < K) & row_mask[None, :], other=0.0)
+            x = cast(x, X_DTYPE).to(DOT_DTYPE)
+            if IEEE:
+                acc = tl.dot(w, x, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w, x, acc)
     return acc
+
+
+@triton.jit
+def arrive_last(count_ptr, tile, splits):
+    """Whether this program is the last of the `splits` programs sharing `tile` to have stored its partial sums:
+    that one adds them up in split order (deterministic) in the same launch. The counts are zero at launch."""
+    tl.debug_barrier()  # every thread's partial stores come before the arrival is counted
+    ticket = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    return ticket == splits - 1
+
+
+@triton.jit
+def sum_partials(part_ptr, offs, mask, splits, stride_split):
+    """sum over s of part[s * stride_split + offs] in fp32, s ascending; read through L2 (other programs wrote them)."""
+    total = tl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
+    for s in range(1, splits):
+        total += tl.load(part_ptr + s * stride_split + offs, mask=mask, other=0.0, cache_modifier=".cg")
+    return total

@@ -1,18 +1,21 @@
 """Linears on the GPU: block-scaled FP8, packed FP4 (or its FP8 re-encode) and dense bf16/fp32 weights.
 
+Quantized weights: each [BN, BK] weight tile (packed FP4: each 32-column slice) is dequantized exactly to bf16 in
+registers (e4m3/e2m1 values times powers of two) and multiplied with the exactly QDQ'd activations
+(quant.fp8_act_qdq, exact in bf16) in a tensor-core dot: exact products, fp32 accumulation, so the emulation's
+numbers up to fp32 summation order.
+fp8_dot=True multiplies the e4m3 values on the FP8 tensor cores instead, 32 columns per dot with both scales
+applied to each slice's result: Hopper's FP8 dots sum with less than fp32 precision (4.6e-5 relative error
+measured on the H200).
+
 Two regimes, chosen by the row count M only:
-- decode (M <= DECODE_MAX_ROWS): one fixed tiling (64 weight rows x 32 token columns, swapped so the weight fills
-  the tensor core's wide side) and a split-K count that depends on (N, K) alone, so a row's result never depends on
-  M or on the other rows (batch invariant). Quantized weights are dequantized exactly to bf16 in registers and
-  multiplied with the exactly QDQ'd activations (exact in bf16) with fp32 accumulation: the emulation's numbers up
-  to fp32 summation order. With M <= 32 every weight byte is read once per call.
-  fp8_dot=True instead multiplies the e4m3 weight (FP4 nibbles re-encoded to e4m3 in registers) with the e4m3
-  activations on FP8 tensor cores, both power-of-two scales applied to each 32-wide K slice's result: faster, but
-  Hopper's FP8 dots sum with less than fp32 precision (4.6e-5 relative error measured on the H200).
+- decode (M <= DECODE_MAX_ROWS): one tiling (weight rows x token columns, swapped so the weight fills the tensor
+  core's wide side) and a split-K count that depend on (N, K) alone, so a row's result never depends on M or on the
+  other rows (batch invariant). The split partials are summed in split order by the last program of each tile,
+  in the same launch. With M <= BM every weight byte is read once per call.
 - prefill (M > DECODE_MAX_ROWS): the weight is dequantized exactly to a bf16 scratch copy and multiplied by cuBLAS
   with the exactly QDQ'd activations (bf16 products are exact, accumulation fp32): compute-bound, so the copy
-  costs little next to the GEMM.
-fp8_dot=True/False forces the Triton kernel with FP8 / exact bf16 dots at any M.
+  costs little next to the GEMM. fp8_dot=True/False forces the Triton kernel at any M.
 """
 
 from __future__ import annotations
@@ -21,36 +24,49 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (FMT_DENSE, FMT_FP4_ROW, FMT_FP8_ROW, FMT_FP8_TILE, cast, dot_k_range, k_slice, weight_scale,
-                     weight_slice)
+from .common import (FMT_DENSE, FMT_FP4_ROW, FMT_FP8_ROW, FMT_FP8_TILE, arrive_last, cast, dot_k_range, k_slice,
+                     sum_partials, weight_scale, weight_slice)
 from .quant import fp8_act_qdq, fp8_act_quant
 
 DECODE_MAX_ROWS = 256
+# the fastest single tiling over the released shapes at 1 and 32 rows (benchmarks/kernel_tuning.py)
 DECODE_TILE = {"BN": 64, "BM": 32, "BK": 128, "num_warps": 4, "num_stages": 3}
 PREFILL_TILE = {"BN": 128, "BM": 128, "BK": 64, "num_warps": 8, "num_stages": 3}
 SPLIT_TARGET_PROGRAMS = 264  # about two waves on a 132-SM H200; a constant, so the split depends on (N, K) only
 
 
 @triton.jit
-def _linear_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_chunk,
-                   stride_xm, stride_xsm, stride_wn, stride_sn, stride_os, stride_om,
+def _linear_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K, k_chunk, splits,
+                   stride_xm, stride_xsm, stride_wn, stride_sn, stride_om,
                    BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, WFMT: tl.constexpr,
                    FP8_DOT: tl.constexpr, X_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr):
-    """out[split, m, n] = sum over this split's K range of x[m, k] w[n, k] (acc[BN, BM] holds the transpose)."""
+    """out[m, g*N + n] = sum over k of x[m, g*K + k] w[g*N + n, k] for the group g of the grid's third axis (a
+    plain linear is one group), this program's split of K only; acc[BN, BM] holds the transpose."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    pid_s = tl.program_id(2)
+    g = tl.program_id(2) // splits
+    pid_s = tl.program_id(2) % splits
     offs_n = pid_n * BN + tl.arange(0, BN)
     rows = pid_m * BM + tl.arange(0, BM)
     row_mask = rows < M
     k_start = pid_s * k_chunk
     k_stop = tl.minimum(k_start + k_chunk, K)
+    scale_rows = g * N // 32 if WFMT == 1 else g * N  # a group's first scale row: 32x32 tiles or one per row
     acc = tl.full([BN, BM], 0.0, tl.float32)
-    acc = dot_k_range(acc, w_ptr, s_ptr, x_ptr, xs_ptr, offs_n, rows, row_mask, k_start, k_stop, N, K,
-                      stride_wn, stride_sn, stride_xm, stride_xsm, BK, WFMT, FP8_DOT, X_DTYPE, DOT_DTYPE, IEEE)
+    acc = dot_k_range(acc, w_ptr + g * N * stride_wn, s_ptr + scale_rows * stride_sn, x_ptr + g * K,
+                      xs_ptr + g * (K // 32), offs_n, rows, row_mask, k_start, k_stop, N, K, stride_wn, stride_sn,
+                      stride_xm, stride_xsm, BK, WFMT, FP8_DOT, X_DTYPE, DOT_DTYPE, IEEE)
     mask = (offs_n[:, None] < N) & row_mask[None, :]
-    ptrs = out_ptr + pid_s * stride_os + rows[None, :] * stride_om + offs_n[:, None]
-    tl.store(ptrs, cast(acc, out_ptr.dtype.element_ty), mask=mask)
+    offs = rows[None, :] * stride_om + g * N + offs_n[:, None]
+    if splits == 1:
+        tl.store(out_ptr + offs, cast(acc, out_ptr.dtype.element_ty), mask=mask)
+    else:
+        split_stride = M * stride_om
+        tl.store(part_ptr + pid_s * split_stride + offs, acc, mask=mask)
+        tile = (g * tl.num_programs(1) + pid_n) * tl.num_programs(0) + pid_m
+        if arrive_last(count_ptr, tile, splits):
+            total = sum_partials(part_ptr, offs, mask, splits, split_stride)
+            tl.store(out_ptr + offs, cast(total, out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -66,59 +82,62 @@ def _dequantize_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, stride
              mask=(offs_n < N)[:, None] & (cols < K)[None, :])
 
 
-@triton.jit
-def _split_sum_kernel(part_ptr, out_ptr, total, splits, BLOCK: tl.constexpr):
-    """out = sum of the split partials in split order (fixed, so deterministic), cast to out's dtype."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < total
-    acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
-    for s in range(1, splits):
-        acc += tl.load(part_ptr + s * total + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + offs, cast(acc, out_ptr.dtype.element_ty), mask=mask)
-
-
-def split_count(n: int, k: int, tile: dict = DECODE_TILE) -> tuple[int, int]:
+def split_count(n: int, k: int, tile: dict = DECODE_TILE, target: int = SPLIT_TARGET_PROGRAMS) -> tuple[int, int]:
     """(splits, K columns per split) for the decode regime: enough programs to fill the GPU at M = 1, from the
     weight's shape alone."""
     k_blocks = triton.cdiv(k, tile["BK"])
-    wanted = max(1, triton.cdiv(SPLIT_TARGET_PROGRAMS, triton.cdiv(n, tile["BN"])))
+    wanted = max(1, triton.cdiv(target, triton.cdiv(n, tile["BN"])))
     per_split = triton.cdiv(k_blocks, min(k_blocks, wanted))
     return triton.cdiv(k_blocks, per_split), per_split * tile["BK"]
 
 
-_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+def split_buffers(splits: int, shape: tuple, tiles: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 partials [splits, *shape] and the zeroed arrival count of each tile for a split-K launch (empty
+    stand-ins of the same dtypes when there is one split, so both launches share one compiled kernel)."""
+    if splits == 1:
+        return (torch.empty(0, dtype=torch.float32, device=device), torch.empty(0, dtype=torch.int32, device=device))
+    return (torch.empty(splits, *shape, dtype=torch.float32, device=device),
+            torch.zeros(tiles, dtype=torch.int32, device=device))
+
+
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32,
+              torch.float8_e4m3fn: tl.float8e4nv}
 
 
 def dot_dtype_for(device: torch.device, dtype: torch.dtype) -> torch.dtype:
-    """The dot's operand dtype. On the CPU (Triton's interpreter, whose dots on 16-bit floats are wrong) the same
-    values go through an fp32 dot: they are exact in bf16, so only the summation order can differ."""
+    """The dot's operand dtype. On the CPU (Triton's interpreter, whose dots on 8- and 16-bit floats are wrong) the
+    same values go through an fp32 dot: they are exact in fp16/bf16, so only the summation order can differ."""
     return torch.float32 if device.type == "cpu" else dtype
 
 
-def _run(x2d: torch.Tensor, xs: torch.Tensor | None, weight: torch.Tensor, scale: torch.Tensor | None, fmt: int,
-         n: int, k: int, out_dtype: torch.dtype, fp8_dot: bool, dot_dtype: torch.dtype) -> torch.Tensor:
+def run_linear(x2d: torch.Tensor, xs: torch.Tensor | None, weight: torch.Tensor, scale: torch.Tensor | None,
+               fmt: int, n: int, k: int, out_dtype: torch.dtype, dot_dtype: torch.dtype, groups: int = 1,
+               tile: dict | None = None, split_target: int = SPLIT_TARGET_PROGRAMS) -> torch.Tensor:
+    """out [M, groups * n] = x2d [M, groups * k] times each group's n rows of the weight, in the Triton kernel.
+
+    xs: the fp32 scales of e4m3 activations x2d (quantized weights on the FP8 tensor cores); None: the weight
+    dequantized to dot_dtype, the activations rounded to it. `tile`/`split_target` override
+    the regime's tiling (benchmarks only: the decode tiling must stay a function of the weight's shape)."""
     m = x2d.shape[0]
     x_dtype = dot_dtype
     dot_dtype = dot_dtype_for(x2d.device, dot_dtype)
     decode = m <= DECODE_MAX_ROWS
-    tile = DECODE_TILE if decode else PREFILL_TILE
+    tile = tile or (DECODE_TILE if decode else PREFILL_TILE)
     if dot_dtype == torch.float32:  # fp32 operands take twice the shared memory per pipeline stage
         tile = dict(tile, num_stages=2)
-    splits, k_chunk = split_count(n, k, tile) if decode else (1, triton.cdiv(k, tile["BK"]) * tile["BK"])
-    out = torch.empty(m, n, dtype=out_dtype, device=x2d.device)
-    target = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x2d.device)
+    splits, k_chunk = split_count(groups * n, k, tile, split_target) if decode else \
+        (1, triton.cdiv(k, tile["BK"]) * tile["BK"])
+    out = torch.empty(m, groups * n, dtype=out_dtype, device=x2d.device)
+    grid = (triton.cdiv(m, tile["BM"]), triton.cdiv(n, tile["BN"]), groups * splits)
+    part, count = split_buffers(splits, (m, groups * n), grid[0] * grid[1] * groups, x2d.device)
     s_arg = weight if scale is None else scale.view(torch.uint8)
     xs_arg = x2d if xs is None else xs
-    grid = (triton.cdiv(m, tile["BM"]), triton.cdiv(n, tile["BN"]), splits)
     _linear_kernel[grid](
-        x2d, xs_arg, weight, s_arg, target, m, n, k, k_chunk,
-        x2d.stride(0), xs_arg.stride(0), weight.stride(0), 0 if scale is None else scale.stride(0),
-        m * n, n, BN=tile["BN"], BM=tile["BM"], BK=tile["BK"], WFMT=fmt, FP8_DOT=fp8_dot,
+        x2d, xs_arg, weight, s_arg, out, part, count, m, n, k, k_chunk, splits,
+        x2d.stride(0), xs_arg.stride(0), weight.stride(0), 0 if scale is None else scale.stride(0), out.stride(0),
+        BN=tile["BN"], BM=tile["BM"], BK=tile["BK"], WFMT=fmt, FP8_DOT=xs is not None,
         X_DTYPE=_TL_DTYPES[x_dtype], DOT_DTYPE=_TL_DTYPES[dot_dtype], IEEE=dot_dtype == torch.float32,
         num_warps=tile["num_warps"], num_stages=tile["num_stages"])
-    if splits > 1:
-        block = 1024
-        _split_sum_kernel[(triton.cdiv(m * n, block),)](target, out, m * n, splits, BLOCK=block)
     return out
 
 
@@ -151,10 +170,9 @@ def _quantized(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt: 
         return out.view(*x.shape[:-1], n)
     if fp8_dot:
         q, xs = fp8_act_quant(rows)
-        out = _run(q, xs, weight, scale, fmt, n, k, x.dtype, True, torch.bfloat16)
+        out = run_linear(q, xs, weight, scale, fmt, n, k, x.dtype, torch.float8_e4m3fn)
     else:
-        out = _run(fp8_act_qdq(rows, torch.bfloat16), None, weight, scale, fmt, n, k, x.dtype, False,
-                   torch.bfloat16)
+        out = run_linear(fp8_act_qdq(rows, torch.bfloat16), None, weight, scale, fmt, n, k, x.dtype, torch.bfloat16)
     return out.view(*x.shape[:-1], n)
 
 
@@ -172,7 +190,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fp8_d
 def fp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, fp8_dot: bool | None = None
                ) -> torch.Tensor:
     """DeepseekV41Linear.forward for FP4 storage: packed e2m1 [N, K/2] (int8, even element in the low nibble),
-    E8M0 scale [N, K/32]; the nibbles become e4m3 in registers (W4A8 on FP8 tensor cores; fp8_dot=False: W4A16)."""
+    E8M0 scale [N, K/32]; the nibbles are dequantized in registers (W4A16; fp8_dot=True: e4m3, W4A8)."""
     n, k = packed.shape[0], packed.shape[1] * 2
     return _quantized(x, packed, scale, FMT_FP4_ROW, n, k, fp8_dot)
 
@@ -199,7 +217,7 @@ def fp4_dequantize(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """F.linear(x.to(weight.dtype), weight) for a bf16/fp16/fp32 weight [N, K], batch invariant up to
     DECODE_MAX_ROWS rows (cuBLAS picks its kernel by M). fp32 weights use true fp32 products (no TF32)."""
-    if weight.dtype not in _TL_DTYPES:
+    if weight.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise TypeError(f"dense_linear takes a bf16, fp16 or fp32 weight, got {weight.dtype}")
     n, k = weight.shape
     if x.shape[-1] != k:
@@ -212,5 +230,5 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if rows.shape[0] > DECODE_MAX_ROWS:  # prefill-sized: cuBLAS
         out = torch.nn.functional.linear(rows.to(weight.dtype), weight)
     else:
-        out = _run(rows, None, weight, None, FMT_DENSE, n, k, weight.dtype, False, weight.dtype)
+        out = run_linear(rows, None, weight, None, FMT_DENSE, n, k, weight.dtype, weight.dtype)
     return out.view(*x.shape[:-1], n)

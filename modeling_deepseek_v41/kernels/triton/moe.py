@@ -14,13 +14,17 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import FMT_DENSE, FMT_FP4_ROW, FMT_FP8_ROW, abs_max, cast, dot_k_range, pow2_ceil_scale, round_e4m3
-from .linear import _TL_DTYPES, dot_dtype_for
+from .common import (FMT_DENSE, FMT_FP4_ROW, FMT_FP8_ROW, abs_max, arrive_last, cast, dot_k_range,
+                     pow2_ceil_scale, round_e4m3, sum_partials)
+from .linear import _TL_DTYPES, dot_dtype_for, split_buffers
 from .quant import fp8_act_qdq, fp8_act_quant
 
 MOE_DECODE_MAX_TOKENS = 256
 MOE_DECODE_TILE = {"BN": 64, "BM": 16, "BK": 128, "num_warps": 4, "num_stages": 3}
 MOE_PREFILL_TILE = {"BN": 128, "BM": 64, "BK": 64, "num_warps": 8, "num_stages": 3}
+# K columns per split in the decode regime (a constant, so the split count depends on the shapes only): at one
+# token a step has ~6 blocks, and without splitting each program would walk all of K alone
+MOE_DECODE_K_CHUNK = {"up": 1280, "down": 1152}
 
 
 @triton.jit
@@ -34,40 +38,12 @@ def _block_rows(block_start_ptr, block_end_ptr, pair_ptr, b, BM: tl.constexpr):
 
 
 @triton.jit
-def _moe_up_kernel(x_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, hs_ptr, route_ptr, pair_ptr,
-                   block_expert_ptr, block_start_ptr, block_end_ptr, N, K, top_k, limit,
-                   stride_xm, stride_xsm, stride_we, stride_wn, stride_se, stride_sn, stride_hm, stride_hsm,
-                   BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, WFMT: tl.constexpr, FP8_DOT: tl.constexpr,
-                   X_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, ROUND_DTYPE: tl.constexpr, H_DTYPE: tl.constexpr,
-                   HAS_LIMIT: tl.constexpr, QDQ_OUT: tl.constexpr, IEEE: tl.constexpr):
-    """h[sorted row, n] for one block of rows of one expert: both projections from one read of the activations."""
-    b = tl.program_id(0)
-    start, end, sorted_rows, mask, pair = _block_rows(block_start_ptr, block_end_ptr, pair_ptr, b, BM)
-    if start < end:  # blocks past the real count do nothing
-        _moe_up_block(x_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, hs_ptr, route_ptr, block_expert_ptr, b,
-                      sorted_rows, mask, pair, N, K, top_k, limit, stride_xm, stride_xsm, stride_we, stride_wn,
-                      stride_se, stride_sn, stride_hm, stride_hsm, BN, BM, BK, WFMT, FP8_DOT, X_DTYPE, DOT_DTYPE,
-                      ROUND_DTYPE, H_DTYPE, HAS_LIMIT, QDQ_OUT, IEEE)
-
-
-@triton.jit
-def _moe_up_block(x_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, hs_ptr, route_ptr, block_expert_ptr, b,
-                  sorted_rows, mask, pair, N, K, top_k, limit, stride_xm, stride_xsm, stride_we, stride_wn, stride_se,
-                  stride_sn, stride_hm, stride_hsm,
-                  BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, WFMT: tl.constexpr, FP8_DOT: tl.constexpr,
-                  X_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, ROUND_DTYPE: tl.constexpr, H_DTYPE: tl.constexpr,
-                  HAS_LIMIT: tl.constexpr, QDQ_OUT: tl.constexpr, IEEE: tl.constexpr):
-    expert = tl.load(block_expert_ptr + b).to(tl.int64)
-    tokens = pair // top_k
-    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
-    gate = tl.full([BN, BM], 0.0, tl.float32)
-    up = tl.full([BN, BM], 0.0, tl.float32)
-    gate = dot_k_range(gate, w1_ptr + expert * stride_we, s1_ptr + expert * stride_se, x_ptr, xs_ptr, offs_n,
-                       tokens, mask, 0, K, N, K, stride_wn, stride_sn, stride_xm, stride_xsm, BK, WFMT, FP8_DOT,
-                       X_DTYPE, DOT_DTYPE, IEEE)
-    up = dot_k_range(up, w3_ptr + expert * stride_we, s3_ptr + expert * stride_se, x_ptr, xs_ptr, offs_n, tokens,
-                     mask, 0, K, N, K, stride_wn, stride_sn, stride_xm, stride_xsm, BK, WFMT, FP8_DOT, X_DTYPE,
-                     DOT_DTYPE, IEEE)
+def _swiglu_store(gate, up, route_ptr, h_ptr, hs_ptr, sorted_rows, mask, pair, offs_n, N, limit, stride_hm,
+                  stride_hsm, BN: tl.constexpr, BM: tl.constexpr, ROUND_DTYPE: tl.constexpr, H_DTYPE: tl.constexpr,
+                  HAS_LIMIT: tl.constexpr, QDQ_OUT: tl.constexpr, FP8_DOT: tl.constexpr):
+    """h = route weight * silu(gate) * up with the reference's roundings and clamps. QDQ_OUT (quantized experts): h's
+    FP8 activation quantization per 32 along N (the tile holds whole groups), stored as its exact bf16 values, or
+    for FP8_DOT as the e4m3 values and their scales (the down projection's FP8 operands)."""
     gate = cast(gate, ROUND_DTYPE).to(tl.float32)
     up = cast(up, ROUND_DTYPE).to(tl.float32)
     if HAS_LIMIT:
@@ -77,12 +53,11 @@ def _moe_up_block(x_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, hs_ptr, 
     h = route[None, :] * (gate / (1.0 + tl.exp(-gate)) * up)
     h = cast(h, H_DTYPE).to(tl.float32)
     if QDQ_OUT:
-        # the down projection's FP8 activation QDQ: the tile holds whole groups of 32 along N
         groups = tl.reshape(h, [BN // 32, 32, BM])
         amax = tl.maximum(abs_max(groups, 1), 1e-4)
         scale = pow2_ceil_scale(amax)
         q = round_e4m3(tl.minimum(tl.maximum(groups / scale[:, None, :], -448.0), 448.0))
-        if FP8_DOT:  # e4m3 values and their scales, the down projection's FP8 operands
+        if FP8_DOT:
             h = tl.reshape(q, [BN, BM]).to(tl.float8e4nv)
             group = tl.program_id(1) * (BN // 32) + tl.arange(0, BN // 32)
             tl.store(hs_ptr + sorted_rows[None, :] * stride_hsm + group[:, None], scale,
@@ -91,38 +66,77 @@ def _moe_up_block(x_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, hs_ptr, 
             h = cast(tl.reshape(q * scale[:, None, :], [BN, BM]), h_ptr.dtype.element_ty)
     else:
         h = cast(h, h_ptr.dtype.element_ty)
-    ptrs = h_ptr + sorted_rows[None, :] * stride_hm + offs_n[:, None]
-    tl.store(ptrs, h, mask=mask[None, :] & (offs_n[:, None] < N))
+    tl.store(h_ptr + sorted_rows[None, :] * stride_hm + offs_n[:, None], h, mask=mask[None, :] & (offs_n[:, None] < N))
+
+
+@triton.jit
+def _moe_up_kernel(x_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, hs_ptr, route_ptr, pair_ptr,
+                   block_expert_ptr, block_start_ptr, block_end_ptr, part_ptr, count_ptr, P, N, K, k_chunk, splits,
+                   top_k, limit, stride_xm, stride_xsm, stride_we, stride_wn, stride_se, stride_sn, stride_hm,
+                   stride_hsm,
+                   BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, WFMT: tl.constexpr, FP8_DOT: tl.constexpr,
+                   X_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, ROUND_DTYPE: tl.constexpr, H_DTYPE: tl.constexpr,
+                   HAS_LIMIT: tl.constexpr, QDQ_OUT: tl.constexpr, IEEE: tl.constexpr):
+    """h[sorted row, n] for one block of rows of one expert and one split of K: both projections from one read of
+    the activations; with splits, the last program of the tile sums the partials and applies the SwiGLU."""
+    b = tl.program_id(0)
+    start, end, sorted_rows, mask, pair = _block_rows(block_start_ptr, block_end_ptr, pair_ptr, b, BM)
+    if start < end:  # blocks past the real count do nothing
+        expert = tl.load(block_expert_ptr + b).to(tl.int64)
+        tokens = pair // top_k
+        offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+        k_start = tl.program_id(2) * k_chunk
+        k_stop = tl.minimum(k_start + k_chunk, K)
+        gate = dot_k_range(tl.full([BN, BM], 0.0, tl.float32), w1_ptr + expert * stride_we,
+                           s1_ptr + expert * stride_se, x_ptr, xs_ptr, offs_n, tokens, mask, k_start, k_stop, N, K,
+                           stride_wn, stride_sn, stride_xm, stride_xsm, BK, WFMT, FP8_DOT, X_DTYPE, DOT_DTYPE, IEEE)
+        up = dot_k_range(tl.full([BN, BM], 0.0, tl.float32), w3_ptr + expert * stride_we,
+                         s3_ptr + expert * stride_se, x_ptr, xs_ptr, offs_n, tokens, mask, k_start, k_stop, N, K,
+                         stride_wn, stride_sn, stride_xm, stride_xsm, BK, WFMT, FP8_DOT, X_DTYPE, DOT_DTYPE, IEEE)
+        if splits == 1:
+            _swiglu_store(gate, up, route_ptr, h_ptr, hs_ptr, sorted_rows, mask, pair, offs_n, N, limit, stride_hm,
+                          stride_hsm, BN, BM, ROUND_DTYPE, H_DTYPE, HAS_LIMIT, QDQ_OUT, FP8_DOT)
+        else:
+            offs = sorted_rows[None, :] * N + offs_n[:, None]
+            tile_mask = mask[None, :] & (offs_n[:, None] < N)
+            split_stride = 2 * P * N  # per split: the gate partials, then the up partials
+            tl.store(part_ptr + tl.program_id(2) * split_stride + offs, gate, mask=tile_mask)
+            tl.store(part_ptr + tl.program_id(2) * split_stride + P * N + offs, up, mask=tile_mask)
+            if arrive_last(count_ptr, b * tl.num_programs(1) + tl.program_id(1), splits):
+                gate = sum_partials(part_ptr, offs, tile_mask, splits, split_stride)
+                up = sum_partials(part_ptr + P * N, offs, tile_mask, splits, split_stride)
+                _swiglu_store(gate, up, route_ptr, h_ptr, hs_ptr, sorted_rows, mask, pair, offs_n, N, limit,
+                              stride_hm, stride_hsm, BN, BM, ROUND_DTYPE, H_DTYPE, HAS_LIMIT, QDQ_OUT, FP8_DOT)
 
 
 @triton.jit
 def _moe_down_kernel(h_ptr, hs_ptr, w2_ptr, s2_ptr, c_ptr, pair_ptr, block_expert_ptr, block_start_ptr,
-                     block_end_ptr, N, K, stride_hm, stride_hsm, stride_we, stride_wn, stride_se, stride_sn, stride_cm,
+                     block_end_ptr, part_ptr, count_ptr, P, N, K, k_chunk, splits, stride_hm, stride_hsm, stride_we,
+                     stride_wn, stride_se, stride_sn, stride_cm,
                      BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, WFMT: tl.constexpr, FP8_DOT: tl.constexpr,
                      X_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, ROUND_DTYPE: tl.constexpr, IEEE: tl.constexpr):
-    """contribution[pair, n] = h[sorted row] @ w2[expert]^T, rounded to the activation dtype."""
+    """contribution[pair, n] = h[sorted row] @ w2[expert]^T, rounded to the activation dtype (one split of K per
+    program; with splits, the last program of the tile sums the partials)."""
     b = tl.program_id(0)
     start, end, sorted_rows, mask, pair = _block_rows(block_start_ptr, block_end_ptr, pair_ptr, b, BM)
     if start < end:  # blocks past the real count do nothing
-        _moe_down_block(h_ptr, hs_ptr, w2_ptr, s2_ptr, c_ptr, block_expert_ptr, b, sorted_rows, mask, pair, N, K,
-                        stride_hm, stride_hsm, stride_we, stride_wn, stride_se, stride_sn, stride_cm, BN, BM, BK,
-                        WFMT, FP8_DOT, X_DTYPE, DOT_DTYPE, ROUND_DTYPE, IEEE)
-
-
-@triton.jit
-def _moe_down_block(h_ptr, hs_ptr, w2_ptr, s2_ptr, c_ptr, block_expert_ptr, b, sorted_rows, mask, pair, N, K,
-                    stride_hm, stride_hsm, stride_we, stride_wn, stride_se, stride_sn, stride_cm,
-                    BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, WFMT: tl.constexpr, FP8_DOT: tl.constexpr,
-                    X_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, ROUND_DTYPE: tl.constexpr, IEEE: tl.constexpr):
-    expert = tl.load(block_expert_ptr + b).to(tl.int64)
-    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
-    acc = tl.full([BN, BM], 0.0, tl.float32)
-    acc = dot_k_range(acc, w2_ptr + expert * stride_we, s2_ptr + expert * stride_se, h_ptr, hs_ptr, offs_n,
-                      sorted_rows, mask, 0, K, N, K, stride_wn, stride_sn, stride_hm, stride_hsm, BK, WFMT, FP8_DOT,
-                      X_DTYPE, DOT_DTYPE, IEEE)
-    ptrs = c_ptr + pair[None, :] * stride_cm + offs_n[:, None]
-    out = cast(cast(acc, ROUND_DTYPE).to(tl.float32), c_ptr.dtype.element_ty)
-    tl.store(ptrs, out, mask=mask[None, :] & (offs_n[:, None] < N))
+        expert = tl.load(block_expert_ptr + b).to(tl.int64)
+        offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+        k_start = tl.program_id(2) * k_chunk
+        k_stop = tl.minimum(k_start + k_chunk, K)
+        acc = dot_k_range(tl.full([BN, BM], 0.0, tl.float32), w2_ptr + expert * stride_we,
+                          s2_ptr + expert * stride_se, h_ptr, hs_ptr, offs_n, sorted_rows, mask, k_start, k_stop, N,
+                          K, stride_wn, stride_sn, stride_hm, stride_hsm, BK, WFMT, FP8_DOT, X_DTYPE, DOT_DTYPE, IEEE)
+        tile_mask = mask[None, :] & (offs_n[:, None] < N)
+        ptrs = c_ptr + pair[None, :] * stride_cm + offs_n[:, None]
+        if splits == 1:
+            tl.store(ptrs, cast(cast(acc, ROUND_DTYPE).to(tl.float32), c_ptr.dtype.element_ty), mask=tile_mask)
+        else:
+            offs = sorted_rows[None, :] * N + offs_n[:, None]
+            tl.store(part_ptr + tl.program_id(2) * P * N + offs, acc, mask=tile_mask)
+            if arrive_last(count_ptr, b * tl.num_programs(1) + tl.program_id(1), splits):
+                acc = sum_partials(part_ptr, offs, tile_mask, splits, P * N)
+                tl.store(ptrs, cast(cast(acc, ROUND_DTYPE).to(tl.float32), c_ptr.dtype.element_ty), mask=tile_mask)
 
 
 @triton.jit
@@ -172,7 +186,7 @@ def _scale_args(scale: torch.Tensor | None, weight: torch.Tensor) -> tuple[torch
 def grouped_moe(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
                 w1: torch.Tensor, s1: torch.Tensor | None, w3: torch.Tensor, s3: torch.Tensor | None,
                 w2: torch.Tensor, s2: torch.Tensor | None, limit: float, fp8_experts: bool = False,
-                fp8_dot: bool = False) -> torch.Tensor:
+                fp8_dot: bool = False, tile: dict | None = None, k_chunks: dict | None = None) -> torch.Tensor:
     """The routed experts' sum [T, D] in fp32 (the model adds the shared expert, then casts).
 
     tokens [T, D] bf16/fp32; experts [T, k] integer ids; weights [T, k] fp32 routing weights.
@@ -180,9 +194,10 @@ def grouped_moe(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
     - FP4: packed int8 [E, N, K/2] with E8M0 scales [E, N, K/32],
     - FP4 re-encoded by fp4_to_fp8_weight (fp8_experts=True): e4m3 [E, N, K] with the same scales,
     - dense (scales None): bf16/fp32 [E, N, K].
-    Quantized experts: exact bf16 dots on tiles dequantized in registers (W4A16 with the QDQ'd activations: the
-    emulation's numbers up to fp32 summation order). fp8_dot=True: FP8 tensor cores (W4A8; e4m3 h and its scales
-    between the kernels), Hopper's FP8 dots summing below fp32 precision."""
+    Quantized experts: exact bf16 dots on weight tiles dequantized in registers (W4A16 with the QDQ'd activations:
+    the emulation's numbers up to fp32 summation order). fp8_dot=True: FP8 tensor cores (W4A8; e4m3 h and its
+    scales between the kernels), Hopper's FP8 dots summing below fp32 precision.
+    `tile`/`k_chunks` override the regime's tiling and decode splits (benchmarks only)."""
     if tokens.dim() != 2 or experts.dim() != 2 or experts.shape[0] != tokens.shape[0]:
         raise ValueError(f"grouped_moe takes tokens [T, D] and experts [T, k]; got {tuple(tokens.shape)} and "
                          f"{tuple(experts.shape)}")
@@ -199,52 +214,61 @@ def grouped_moe(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
     inter = w1.shape[1]
     if quantized and (d % 32 or inter % 32):
         raise ValueError(f"FP4 experts need hidden ({d}) and intermediate ({inter}) sizes divisible by 32")
-    tile = MOE_DECODE_TILE if t <= MOE_DECODE_MAX_TOKENS else MOE_PREFILL_TILE
+    decode = t <= MOE_DECODE_MAX_TOKENS
+    tile = tile or (MOE_DECODE_TILE if decode else MOE_PREFILL_TILE)
+    chunks = (k_chunks or MOE_DECODE_K_CHUNK) if decode else {"up": d, "down": inter}
     pair_of_row, block_expert, block_start, block_end = expert_blocks(experts, n_experts, tile["BM"])
     act_dtype = tokens.dtype
+    pairs = t * top_k
     fp8_dot = quantized and fp8_dot
-    xs = hs = None
+    x, xs, hs = tokens.contiguous(), None, None
     if fp8_dot:
         x, xs = fp8_act_quant(tokens)
-        dot_dtype, round_dtype = torch.bfloat16, act_dtype
+        hs = torch.empty(pairs, inter // 32, dtype=torch.float32, device=tokens.device)
     elif quantized:
         x = fp8_act_qdq(tokens, torch.bfloat16)
-        dot_dtype, round_dtype = torch.bfloat16, act_dtype
-    else:
-        x = tokens.contiguous()
-        dot_dtype = round_dtype = w1.dtype
+    dot_dtype, round_dtype = (torch.bfloat16, act_dtype) if quantized else (w1.dtype, w1.dtype)
     # h is rounded to the activation dtype; once QDQ'd (quantized experts) it is exact in bf16
     h_dtype = torch.float8_e4m3fn if fp8_dot else torch.bfloat16 if quantized else act_dtype
-    h = torch.empty(t * top_k, inter, dtype=h_dtype, device=tokens.device)
-    if fp8_dot:
-        hs = torch.empty(t * top_k, inter // 32, dtype=torch.float32, device=tokens.device)
+    h = torch.empty(pairs, inter, dtype=h_dtype, device=tokens.device)
     x_dtype = dot_dtype
     dot_dtype = dot_dtype_for(tokens.device, dot_dtype)
-    ieee = dot_dtype == torch.float32
+    dtypes = dict(X_DTYPE=_TL_DTYPES[x_dtype], DOT_DTYPE=_TL_DTYPES[dot_dtype], ROUND_DTYPE=_TL_DTYPES[round_dtype],
+                  IEEE=dot_dtype == torch.float32, FP8_DOT=fp8_dot, WFMT=fmt, BN=tile["BN"], BM=tile["BM"],
+                  BK=tile["BK"], num_warps=tile["num_warps"],
+                  num_stages=2 if dot_dtype == torch.float32 else tile["num_stages"])
     route = weights.reshape(-1).to(torch.float32).contiguous()
     nb = block_expert.shape[0]
     s1_arg, s_e, s_n = _scale_args(s1, w1)
     s3_arg, _, _ = _scale_args(s3, w3)
     xs_arg, hs_arg = (x, h) if xs is None else (xs, hs)
-    _moe_up_kernel[(nb, triton.cdiv(inter, tile["BN"]))](
+    grid, part, count, k_chunk, splits = _split_launch(nb, inter, d, chunks["up"], tile, 2 * pairs, tokens.device)
+    _moe_up_kernel[grid](
         x, xs_arg, w1, s1_arg, w3, s3_arg, h, hs_arg, route, pair_of_row, block_expert, block_start, block_end,
-        inter, d, top_k, float(limit), x.stride(0), xs_arg.stride(0), w1.stride(0), w1.stride(1), s_e, s_n,
-        h.stride(0), hs_arg.stride(0), BN=tile["BN"], BM=tile["BM"], BK=tile["BK"], WFMT=fmt, FP8_DOT=fp8_dot,
-        X_DTYPE=_TL_DTYPES[x_dtype],
-        DOT_DTYPE=_TL_DTYPES[dot_dtype],
-        ROUND_DTYPE=_TL_DTYPES[round_dtype], H_DTYPE=_TL_DTYPES[act_dtype], HAS_LIMIT=limit > 0,
-        QDQ_OUT=quantized, IEEE=ieee, num_warps=tile["num_warps"], num_stages=tile["num_stages"])
-    contributions = torch.empty(t * top_k, d, dtype=act_dtype, device=tokens.device)
+        part, count, pairs, inter, d, k_chunk, splits, top_k, float(limit), x.stride(0), xs_arg.stride(0),
+        w1.stride(0), w1.stride(1), s_e, s_n, h.stride(0), hs_arg.stride(0), H_DTYPE=_TL_DTYPES[act_dtype],
+        HAS_LIMIT=limit > 0, QDQ_OUT=quantized, **dtypes)
+    contributions = torch.empty(pairs, d, dtype=act_dtype, device=tokens.device)
     s2_arg, s_e, s_n = _scale_args(s2, w2)
-    _moe_down_kernel[(nb, triton.cdiv(d, tile["BN"]))](
-        h, hs_arg, w2, s2_arg, contributions, pair_of_row, block_expert, block_start, block_end, d, inter,
-        h.stride(0), hs_arg.stride(0), w2.stride(0), w2.stride(1), s_e, s_n, contributions.stride(0),
-        BN=tile["BN"], BM=tile["BM"], BK=tile["BK"], WFMT=fmt, FP8_DOT=fp8_dot, X_DTYPE=_TL_DTYPES[x_dtype],
-        DOT_DTYPE=_TL_DTYPES[dot_dtype],
-        ROUND_DTYPE=_TL_DTYPES[round_dtype], IEEE=ieee, num_warps=tile["num_warps"], num_stages=tile["num_stages"])
+    grid, part, count, k_chunk, splits = _split_launch(nb, d, inter, chunks["down"], tile, pairs, tokens.device)
+    _moe_down_kernel[grid](
+        h, hs_arg, w2, s2_arg, contributions, pair_of_row, block_expert, block_start, block_end, part, count, pairs,
+        d, inter, k_chunk, splits, h.stride(0), hs_arg.stride(0), w2.stride(0), w2.stride(1), s_e, s_n,
+        contributions.stride(0), **dtypes)
     order = experts.argsort(dim=-1, stable=True).to(torch.int32).contiguous()
     y = torch.empty(t, d, dtype=torch.float32, device=tokens.device)
     block = 1024
     _combine_kernel[(t, triton.cdiv(d, block))](contributions, order, y, d, top_k, contributions.stride(0),
                                                 y.stride(0), BLOCK=block)
     return y
+
+
+def _split_launch(blocks: int, n: int, k: int, k_chunk: int, tile: dict, partial_rows: int, device: torch.device
+                  ) -> tuple[tuple[int, int, int], torch.Tensor, torch.Tensor, int, int]:
+    """(grid, partials, arrival counts, K columns per split, splits) of one projection: the split from the shapes
+    alone (a whole number of BK blocks per split); partials [splits, partial_rows, n] fp32 only when split."""
+    k_chunk = triton.cdiv(min(k_chunk, k), tile["BK"]) * tile["BK"]
+    splits = triton.cdiv(k, k_chunk)
+    grid = (blocks, triton.cdiv(n, tile["BN"]), splits)
+    part, count = split_buffers(splits, (partial_rows, n), blocks * grid[1], device)
+    return grid, part, count, k_chunk, splits

@@ -1,0 +1,120 @@
+"""Sweeps the decode tilings of the Triton linears and the grouped MoE at the released shapes (one H200) and
+prints, per shape, each tiling's time at 1 and 32 rows (linears) or 1, 6 and 32 tokens (MoE), fastest first.
+
+The decode tiling must be a function of the weight's shape alone (batch invariance), so a tiling is judged on
+every row count at once; the chosen ones are written into kernels/triton/linear.py and moe.py by hand.
+
+    python benchmarks/kernel_tuning.py [--out DIR]      # writes DIR/tuning.txt (default: $OUT or .)
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from triton_kernels import copies, graph_ms, random_fp4, random_fp8  # noqa: E402
+
+from modeling_deepseek_v41.kernels.triton import fp8_act_qdq, grouped_moe  # noqa: E402
+from modeling_deepseek_v41.kernels.triton.common import FMT_FP4_ROW, FMT_FP8_TILE  # noqa: E402
+from modeling_deepseek_v41.kernels.triton.linear import run_linear  # noqa: E402
+
+HBM = 4.8e12
+LINEARS = [("wq_a", 1280, 5120, "fp8"), ("wq_b", 32768, 1280, "fp8"), ("wkv", 512, 5120, "fp8"),
+           ("wo_b", 5120, 8192, "fp8"), ("shared_w1", 2304, 5120, "fp8"), ("shared_w2", 5120, 2304, "fp8"),
+           ("expert_w1", 2304, 5120, "fp4")]
+TILES = [dict(BN=bn, BM=bm, BK=bk, num_warps=w, num_stages=st) for bn, bm, bk, w, st in
+         [(64, 32, 128, 4, 3), (64, 32, 256, 4, 3), (128, 32, 128, 8, 3), (128, 32, 256, 8, 3), (64, 32, 128, 4, 4),
+          (64, 16, 256, 4, 3), (32, 32, 256, 4, 3), (64, 32, 512, 8, 2)]]
+SPLIT_TARGETS = [132, 264, 528]
+lines: list[str] = []
+
+
+def log(text: str = "") -> None:
+    print(text, flush=True)
+    lines.append(text)
+
+
+def tile_name(tile: dict) -> str:
+    return f"BN{tile['BN']} BM{tile['BM']} BK{tile['BK']} w{tile['num_warps']} s{tile['num_stages']}"
+
+
+def sweep_linears() -> None:
+    for name, n, k, storage in LINEARS:
+        nbytes = n * k * (0.5 if storage == "fp4" else 1.0)
+        if storage == "fp4":
+            ws, ss = random_fp4((n, k), copies(nbytes))
+            fmt = FMT_FP4_ROW
+        else:
+            ws, ss = random_fp8(n, k, copies(nbytes))
+            fmt = FMT_FP8_TILE
+        xs = {m: fp8_act_qdq(torch.randn(m, k, device="cuda", dtype=torch.bfloat16)) for m in (1, 32)}
+        results = []
+        for tile, target in itertools.product(TILES, SPLIT_TARGETS):
+            try:
+                times = [graph_ms([lambda w=w, s=s, q=xs[m]: run_linear(q, None, w, s, fmt, n, k, torch.bfloat16,
+                                                                        torch.bfloat16, tile=tile, split_target=target)
+                                   for w, s in zip(ws, ss)]) for m in (1, 32)]
+            except Exception as error:  # a tiling the compiler refuses (shared memory): say so, go on
+                log(f"  {name} {tile_name(tile)} t{target}: failed ({type(error).__name__})")
+                continue
+            results.append((times[0] + times[1], times, tile, target))
+        results.sort(key=lambda r: r[0])
+        log(f"\n{name} {n}x{k} {storage}: roofline {nbytes / HBM * 1e6:.1f} us")
+        for _, (t1, t32), tile, target in results[:8]:
+            log(f"  {tile_name(tile):<28} target {target:>5}: M=1 {t1 * 1e3:6.1f} us  M=32 {t32 * 1e3:6.1f} us")
+        del ws, ss
+
+
+def sweep_moe() -> None:
+    e, d, inter, k = 384, 5120, 2304, 6
+    w1, s1 = random_fp4((inter, d), 1, e)
+    w3, s3 = random_fp4((inter, d), 1, e)
+    w2, s2 = random_fp4((d, inter), 1, e)
+    stacks = (w1[0], s1[0], w3[0], s3[0], w2[0], s2[0])
+    tiles = [dict(BN=bn, BM=16, BK=bk, num_warps=w, num_stages=st) for bn, bk, w, st in
+             [(64, 128, 4, 3), (64, 256, 4, 3), (128, 256, 8, 3), (32, 256, 4, 3)]]
+    chunks = [dict(up=u, down=dn) for u, dn in [(5120, 2304), (2560, 1152), (1280, 768), (1280, 1152), (640, 384),
+                                                (2560, 768)]]
+    inputs = {}
+    for t in (1, 6, 32):
+        tokens = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+        routes = [torch.rand(t, e, device="cuda").topk(k, dim=-1).indices for _ in range(4)]
+        inputs[t] = (tokens, routes, torch.rand(t, k, device="cuda"))
+    results = []
+    for tile, chunk in itertools.product(tiles, chunks):
+        if chunk["up"] % tile["BK"] or chunk["down"] % tile["BK"]:
+            continue
+        try:
+            times = [graph_ms([lambda r=r, x=x, wt=wt: grouped_moe(x, r, wt, *stacks, limit=10.0, tile=tile,
+                                                                     k_chunks=chunk) for r in routes])
+                     for x, routes, wt in inputs.values()]
+        except Exception as error:
+            log(f"  moe {tile_name(tile)} {chunk}: failed ({type(error).__name__})")
+            continue
+        results.append((sum(times), times, tile, chunk))
+    results.sort(key=lambda r: r[0])
+    roof = 6 * 3 * inter * d * (0.5 + 1 / 32) / HBM * 1e6
+    log(f"\ngrouped_moe fp4, 384 experts, top-6: roofline at 1 token {roof:.1f} us")
+    for _, times, tile, chunk in results[:10]:
+        shown = "  ".join(f"T={t} {ms * 1e3:6.1f} us" for t, ms in zip(inputs, times))
+        log(f"  {tile_name(tile):<28} up {chunk['up']:>4} down {chunk['down']:>4}: {shown}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args()
+    log(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {__import__('triton').__version__}")
+    for sweep in (sweep_moe, sweep_linears):
+        sweep()
+        Path(args.out, "tuning.txt").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
