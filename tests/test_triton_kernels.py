@@ -24,7 +24,7 @@ from modeling_deepseek_v41.kernels.triton import (  # noqa: E402
 from modeling_deepseek_v41.kernels.triton.linear import (  # noqa: E402
     DECODE_MAX_ROWS, DECODE_TILE, SPLIT_TARGET_PROGRAMS, split_count,
 )
-from modeling_deepseek_v41.kernels.triton.moe import expert_blocks  # noqa: E402
+from modeling_deepseek_v41.kernels.triton.moe import MOE_DECODE_TILE, expert_blocks  # noqa: E402
 from modeling_deepseek_v41.layers.moe import gathered_swiglu  # noqa: E402
 from modeling_deepseek_v41.kernels import numerics  # noqa: E402
 from modeling_deepseek_v41.kernels.linear import DeepseekV41Linear  # noqa: E402
@@ -290,13 +290,13 @@ def test_grouped_moe_matches_emulation(quantized, fp8_dot, dtype):
 def test_grouped_moe_split_k_sums_in_one_launch(quantized):
     """K split across programs (the decode regime's split, forced small here): the last program of each tile adds
     the partials in split order, so the result matches the emulation and is the same on every call."""
-    n_experts, d, inter, top_k, t = 6, 384, 256, 3, 5
+    n_experts, d, inter, top_k, t = 4, 192, 128, 2, 3
     stacks = _experts(n_experts, d, inter, quantized, seed=40)
     tokens = _randn(t, d, seed=43, dtype=torch.bfloat16)
     experts, weights = _routing(t, n_experts, top_k, seed=44)
-    split = dict(up=128, down=128)  # 3 and 2 splits
-    out = grouped_moe(tokens, experts, weights, *stacks, limit=10.0, k_chunks=split)
-    assert torch.equal(out, grouped_moe(tokens, experts, weights, *stacks, limit=10.0, k_chunks=split))
+    tile, split = dict(MOE_DECODE_TILE, BK=64), dict(up=64, down=64)  # 3 and 2 splits
+    out = grouped_moe(tokens, experts, weights, *stacks, limit=10.0, tile=tile, k_chunks=split)
+    assert torch.equal(out, grouped_moe(tokens, experts, weights, *stacks, limit=10.0, tile=tile, k_chunks=split))
     assert _rel(out, _emulated_moe(tokens, experts, weights, stacks, limit=10.0)) < 2e-3
 
 
