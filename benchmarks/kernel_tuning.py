@@ -18,16 +18,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from triton_kernels import copies, graph_ms, random_fp4, random_fp8  # noqa: E402
+from triton_kernels import HBM, copies, graph_ms, random_fp4, random_fp8  # noqa: E402
+from triton_kernels import LINEARS as ATTENTION_AND_SHARED  # noqa: E402
 
 from modeling_deepseek_v41.kernels.triton import fp8_act_qdq, grouped_moe  # noqa: E402
 from modeling_deepseek_v41.kernels.triton.common import FMT_FP4_ROW, FMT_FP8_TILE  # noqa: E402
 from modeling_deepseek_v41.kernels.triton.linear import run_linear  # noqa: E402
 
-HBM = 4.8e12
-LINEARS = [("wq_a", 1280, 5120, "fp8"), ("wq_b", 32768, 1280, "fp8"), ("wkv", 512, 5120, "fp8"),
-           ("wo_b", 5120, 8192, "fp8"), ("shared_w1", 2304, 5120, "fp8"), ("shared_w2", 5120, 2304, "fp8"),
-           ("expert_w1", 2304, 5120, "fp4")]
+LINEARS = [(name, n, k, "fp8") for name, n, k in ATTENTION_AND_SHARED] + [("expert_w1", 2304, 5120, "fp4")]
 TILES = [dict(BN=bn, BM=bm, BK=bk, num_warps=w, num_stages=st) for bn, bm, bk, w, st in
          [(64, 32, 128, 4, 3), (64, 32, 256, 4, 3), (128, 32, 128, 8, 3), (128, 32, 256, 8, 3), (64, 32, 128, 4, 4),
           (64, 16, 256, 4, 3), (32, 32, 256, 4, 3), (64, 32, 512, 8, 2)]]

@@ -104,6 +104,12 @@ _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.floa
               torch.float8_e4m3fn: tl.float8e4nv}
 
 
+def launch_tile(tile: dict, dot_dtype: torch.dtype) -> dict:
+    """The tile as launched: fp32 operands (the interpreter's dots) take twice the shared memory per pipeline stage,
+    so two stages."""
+    return dict(tile, num_stages=2) if dot_dtype == torch.float32 else tile
+
+
 def dot_dtype_for(device: torch.device, dtype: torch.dtype) -> torch.dtype:
     """The dot's operand dtype. On the CPU (Triton's interpreter, whose dots on 8- and 16-bit floats are wrong) the
     same values go through an fp32 dot: they are exact in fp16/bf16, so only the summation order can differ."""
@@ -123,8 +129,7 @@ def run_linear(x2d: torch.Tensor, xs: torch.Tensor | None, weight: torch.Tensor,
     dot_dtype = dot_dtype_for(x2d.device, dot_dtype)
     decode = m <= DECODE_MAX_ROWS
     tile = tile or (DECODE_TILE if decode else PREFILL_TILE)
-    if dot_dtype == torch.float32:  # fp32 operands take twice the shared memory per pipeline stage
-        tile = dict(tile, num_stages=2)
+    tile = launch_tile(tile, dot_dtype)
     splits, k_chunk = split_count(groups * n, k, tile, split_target) if decode else \
         (1, triton.cdiv(k, tile["BK"]) * tile["BK"])
     out = torch.empty(m, groups * n, dtype=out_dtype, device=x2d.device)

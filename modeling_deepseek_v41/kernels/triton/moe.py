@@ -16,7 +16,7 @@ import triton.language as tl
 
 from .common import (FMT_DENSE, FMT_FP4_ROW, FMT_FP8_ROW, abs_max, arrive_last, cast, dot_k_range,
                      pow2_ceil_scale, round_e4m3, sum_partials)
-from .linear import _TL_DTYPES, dot_dtype_for, split_buffers
+from .linear import _TL_DTYPES, dot_dtype_for, launch_tile, split_buffers
 from .quant import fp8_act_qdq, fp8_act_quant
 
 MOE_DECODE_MAX_TOKENS = 256
@@ -233,10 +233,10 @@ def grouped_moe(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
     h = torch.empty(pairs, inter, dtype=h_dtype, device=tokens.device)
     x_dtype = dot_dtype
     dot_dtype = dot_dtype_for(tokens.device, dot_dtype)
+    launched = launch_tile(tile, dot_dtype)
     dtypes = dict(X_DTYPE=_TL_DTYPES[x_dtype], DOT_DTYPE=_TL_DTYPES[dot_dtype], ROUND_DTYPE=_TL_DTYPES[round_dtype],
                   IEEE=dot_dtype == torch.float32, FP8_DOT=fp8_dot, WFMT=fmt, BN=tile["BN"], BM=tile["BM"],
-                  BK=tile["BK"], num_warps=tile["num_warps"],
-                  num_stages=2 if dot_dtype == torch.float32 else tile["num_stages"])
+                  BK=tile["BK"], num_warps=launched["num_warps"], num_stages=launched["num_stages"])
     route = weights.reshape(-1).to(torch.float32).contiguous()
     nb = block_expert.shape[0]
     s1_arg, s_e, s_n = _scale_args(s1, w1)
