@@ -16,8 +16,8 @@ from transformers import GenerationMixin
 
 from ..cache.cache import DeepseekV41Cache
 from ..cache.graph_decoder import GenerationGraphs, check_graph_decoding
+from ..layers.vision import TOKEN_TYPE_TEXT
 from .dspark import DSparkCandidateGenerator, dspark_generation_config
-from .generation_options import GenerationOptionsMixin, extend_token_types
 from .inputs import check_generate_inputs
 from .invalid_logits import with_invalid_logits_check
 
@@ -33,7 +33,7 @@ class GenerationRun:
     drafter: DSparkCandidateGenerator | None = None  # drafts candidates (use_dspark=True)
 
 
-class DeepseekV41GenerationMixin(GenerationOptionsMixin):
+class DeepseekV41GenerationMixin(GenerationMixin):
     """transformers' generation with this model's cache, drafter and graph decoder."""
 
     _get_logits_processor = with_invalid_logits_check(GenerationMixin._get_logits_processor)
@@ -62,6 +62,9 @@ class DeepseekV41GenerationMixin(GenerationOptionsMixin):
             kwargs["generation_config"] = config
         elif base is not None:
             kwargs["generation_config"] = base
+        if getattr(config, "use_dspark", False) and (config.num_beams or 1) > 1:
+            raise ValueError("use_dspark=True drafts for one greedy or sampled sequence; it cannot be combined with "
+                             "beam search: pass num_beams=1, or use_dspark=False for beam search.")
         cuda_graphs = self._resolve_cache_implementation(implementation, kwargs) or cuda_graphs
         if cuda_graphs:
             check_graph_decoding(self)
@@ -172,3 +175,11 @@ class DeepseekV41GenerationMixin(GenerationOptionsMixin):
             types = extend_token_types(token_types, input_ids.shape[-1] - token_types.shape[-1])
             model_inputs["token_types"] = types[:, -width:]
         return model_inputs
+
+
+def extend_token_types(token_types: torch.Tensor, num_new_tokens: int) -> torch.Tensor:
+    """The prompt's token types followed by text for each generated token."""
+    if num_new_tokens <= 0:
+        return token_types
+    text = token_types.new_full((token_types.shape[0], num_new_tokens), TOKEN_TYPE_TEXT)
+    return torch.cat([token_types, text], 1)
