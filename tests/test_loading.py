@@ -70,6 +70,18 @@ def test_save_pretrained_round_trip_keeps_logits(tmp_path):
         assert torch.equal(reloaded(ids).logits, model(ids).logits)
 
 
+def test_module_named_save_keeps_the_drafter(tmp_path):
+    """save_pretrained(save_original_format=False) keeps the module names (model.mtp.*): the drafter loads back."""
+    model = AutoModelForCausalLM.from_pretrained(CHECKPOINT)
+    assert model.has_dspark
+    model.save_pretrained(tmp_path / "saved", save_original_format=False)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    assert reloaded.has_dspark
+    ids = load_case(str(FIXTURES / "tiny-text")).inputs["input_ids"][:, :40]
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, model(ids).logits)
+
+
 def test_missing_tensor_is_named(checkpoint_copy):
     _edit_shard(checkpoint_copy, lambda t: t.pop(sorted(k for k in t if k.endswith("wq_a.weight"))[0]))
     with pytest.raises(ValueError, match=r"1 missing tensor\(s\): layers\.\d+\.attn\.wq_a\.weight"):

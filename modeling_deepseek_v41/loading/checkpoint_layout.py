@@ -195,3 +195,14 @@ def checkpoint_has_prefix(folder: str | os.PathLike, prefix: str | tuple[str, ..
     if index.exists():
         return any(name.startswith(prefix) for name in read_weight_map(index))
     return any(name.startswith(prefix) for path in checkpoint_files(folder) for name in read_safetensors_header(path))
+
+
+def saved_with_module_names(folder: str | os.PathLike) -> bool:
+    """Whether a local folder was saved with the module names (`save_pretrained(save_original_format=False)`: a
+    `model.` prefix and `lm_head.`) rather than the hub's."""
+    return checkpoint_has_prefix(folder, ("model.", "lm_head."))
+
+
+def holds_drafter(folder: str | os.PathLike) -> bool:
+    """Whether a local folder holds DSpark drafter weights, under the hub's names or the module names."""
+    return checkpoint_has_prefix(folder, ("mtp.", "model.mtp."))

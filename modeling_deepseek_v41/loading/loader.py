@@ -17,7 +17,7 @@ from transformers.utils import logging
 
 from ..layers.engram import DeepseekV41ExternalEngramTable
 from ..layers.engram_hashing import build_compressed_token_map
-from .checkpoint_layout import check_checkpoint_folder, checkpoint_has_prefix
+from .checkpoint_layout import check_checkpoint_folder, saved_with_module_names
 from .device_map import check_device_map, deepseek_device_map, preload_submodules, return_to_input_device, spread_units
 from .engram_storage import ExternalTable
 from .tensor_parallel import RemoteExpert
@@ -107,8 +107,7 @@ def check_checkpoint(model: nn.Module, folder, ignore_mismatched_sizes: bool) ->
     if model.get_output_embeddings() is None:
         return
     if isinstance(folder, (str, os.PathLike)) and os.path.isdir(folder) and not ignore_mismatched_sizes:
-        # save_pretrained(save_original_format=False) keeps the module names: nothing to map back
-        mapped = checkpoint_has_prefix(folder, ("model.", "lm_head."))
+        mapped = saved_with_module_names(folder)  # nothing to map back
         rename = (lambda name: name) if mapped else hub_name
         held = held_tensors(model, rename)
         if _saved_base_model(folder):  # a DeepseekV41Model save has no head: transformers initialises and reports it

@@ -17,7 +17,7 @@ from ..kernels.numerics import quantize_fp4_weight, quantize_fp8_weight
 from ..layers.block import DeepseekV41Block
 from ..layers.engram import DeepseekV41Engram, DeepseekV41EngramTable
 from ..loading import loader
-from ..loading.checkpoint_layout import checkpoint_has_prefix
+from ..loading.checkpoint_layout import holds_drafter
 from ..loading.parameter_count import logical_num_parameters
 from ..loading.tensor_parallel import localize_parameters, register_parallel_styles, tensor_parallel_requested
 from ..loading.weight_checks import with_load_checks
@@ -92,7 +92,7 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
         hub_kwargs = loader.hub_kwargs_of(kwargs)
         local = (pretrained_model_name_or_path is not None and os.path.isdir(pretrained_model_name_or_path)
                  and not kwargs.get("ignore_mismatched_sizes"))
-        if local and not checkpoint_has_prefix(pretrained_model_name_or_path, "mtp."):
+        if local and not holds_drafter(pretrained_model_name_or_path):
             config = kwargs.get("config")
             if not isinstance(config, DeepseekV41Config):
                 config = cls.config_class.from_pretrained(pretrained_model_name_or_path, **hub_kwargs)
