@@ -41,9 +41,19 @@ def row_invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
+def dequantize_stored(weight: torch.Tensor, scale: torch.Tensor | None, storage: str, dtype: torch.dtype
+                      ) -> torch.Tensor:
+    """A stored weight as a dense matrix of `dtype` (exact for FP8/FP4: values times power-of-two scales)."""
+    if storage == STORAGE_FP8:
+        return dequantize_fp8_weight(weight, scale, dtype)
+    if storage == STORAGE_FP4:
+        return dequantize_fp4_weight(weight, scale, dtype)
+    return weight.to(dtype)
+
+
 def quantized_linear_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, storage: str) -> torch.Tensor:
     """The reference's block-scaled GEMM: FP8 activation QDQ, then fp32 matmul of the exactly dequantized weight."""
-    dense = (dequantize_fp8_weight if storage == STORAGE_FP8 else dequantize_fp4_weight)(weight, scale, torch.float32)
+    dense = dequantize_stored(weight, scale, storage, torch.float32)
     q = fp8_act_qdq(x)
     return row_invariant_linear(q.float(), dense).to(q.dtype)
 
@@ -72,8 +82,7 @@ class QuantizedLinearFunction(torch.autograd.Function):
         weight, scale = ctx.saved_tensors
         if kernel_path(grad_out):
             return gpu_linear_input_grad(grad_out, ctx.storage, weight, scale), None, None, None
-        dequantize = dequantize_fp8_weight if ctx.storage == STORAGE_FP8 else dequantize_fp4_weight
-        grad_x = grad_out.float() @ dequantize(weight, scale, torch.float32)
+        grad_x = grad_out.float() @ dequantize_stored(weight, scale, ctx.storage, torch.float32)
         return grad_x.to(grad_out.dtype), None, None, None
 
 
@@ -117,11 +126,7 @@ class DeepseekV41Weight(nn.Module):
 
     def dense_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight as a dense matrix (exact: FP8/FP4 values times power-of-two scales)."""
-        if self.storage == STORAGE_FP8:
-            return dequantize_fp8_weight(self.weight, self.scale, dtype)
-        if self.storage == STORAGE_FP4:
-            return dequantize_fp4_weight(self.weight, self.scale, dtype)
-        return self.weight.to(dtype)
+        return dequantize_stored(self.weight, self.scale, self.storage, dtype)
 
     @torch.no_grad()
     def dequantize_(self, dtype: torch.dtype = torch.bfloat16) -> None:
