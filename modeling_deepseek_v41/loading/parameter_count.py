@@ -22,6 +22,12 @@ COMPONENTS = {
 }
 
 
+def component_of(name: str) -> str:
+    """The parameter-count component of a tensor (module or hub name); a block scale belongs to its weight's."""
+    weight_name = hub_name(re.sub(r"\.scale$", ".weight", name))
+    return next((group for group, pattern in COMPONENTS.items() if pattern.search(weight_name)), "other")
+
+
 def logical_parameters(model: nn.Module):
     """(name, tensor, weights it stands for) of every parameter but E8M0 scales (not weights): packed FP4 (int8
     storage) holds two weights per byte."""
@@ -37,8 +43,7 @@ def count_parameters(model: nn.Module) -> dict[str, int]:
     (everything but the Engram tables, the DSpark drafter and the vision side). Works on the meta device."""
     counts = dict.fromkeys(list(COMPONENTS) + ["other"], 0)
     for name, _, n in logical_parameters(model):
-        hub = hub_name(name)
-        counts[next((g for g, pattern in COMPONENTS.items() if pattern.search(hub)), "other")] += n
+        counts[component_of(name)] += n
     excluded = ("engram_tables", "dspark", "vision_tower", "vision_aligner")
     counts["backbone"] = sum(v for k, v in counts.items() if k not in excluded)
     counts["total"] = sum(v for k, v in counts.items() if k != "backbone")

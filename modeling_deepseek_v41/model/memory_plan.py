@@ -17,8 +17,7 @@ import torch
 from ..cache.packed_rows import PackedRows
 from ..config.configuration_deepseek_v41 import DeepseekV41Config
 from ..loading.device_map import _key_bytes, deepseek_device_map
-from ..loading.loader import hub_name
-from ..loading.parameter_count import COMPONENTS, count_parameters
+from ..loading.parameter_count import component_of, count_parameters
 from .causal_lm import DeepseekV41ForCausalLM
 
 GB = 10**9
@@ -33,12 +32,6 @@ GPUS = {"8x H200 (141 GB)": 141 * GB, "8x H100 (80 GB)": 80 * GB}
 def build_meta_model(config: DeepseekV41Config):
     with torch.device("meta"):
         return DeepseekV41ForCausalLM(config)
-
-
-def component_of(name: str) -> str:
-    """The parameter-count component of a tensor; a block scale belongs to its weight's component."""
-    weight_name = hub_name(re.sub(r"\.scale$", ".weight", name))
-    return next((group for group, pattern in COMPONENTS.items() if pattern.search(weight_name)), "other")
 
 
 def component_bytes(model) -> dict[str, int]:
