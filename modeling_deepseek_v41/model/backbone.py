@@ -13,7 +13,7 @@ from transformers.utils.generic import can_return_tuple
 
 from ..cache.cache import DeepseekV41Cache
 from ..cache.chunk_store import ChunkStore
-from ..config.config_validation import PREFILL_MODES
+from ..config.config_validation import check_field
 from ..config.configuration_deepseek_v41 import DeepseekV41Config
 from ..config.layer_plan import LayerPlan
 from ..kernels.linear import DeepseekV41RMSNorm
@@ -178,9 +178,9 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
             raise ValueError(
                 f"Sequence of {past + input_ids.shape[1]} tokens exceeds max_position_embeddings ({max_positions})."
             )
+        if prefill_mode is not None:  # the config's own value was checked when the config was made
+            check_field(self.config.text_config, "prefill_mode", prefill_mode)
         mode = prefill_mode or self.config.text_config.prefill_mode
-        if mode not in PREFILL_MODES:
-            raise ValueError(f"prefill_mode must be one of {PREFILL_MODES}, got {mode!r}.")
         input_ids, positions, replayed = store.begin_chunk(input_ids, attention_mask, self.embed.weight.dtype)
         if replayed and token_types is not None:
             token_types = torch.cat([torch.full_like(input_ids[:, :replayed], -1), token_types], dim=1)

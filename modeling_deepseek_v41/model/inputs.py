@@ -39,7 +39,7 @@ def check_forward_inputs(config, input_ids, attention_mask=None, token_types=Non
     vocab = config.get_text_config().vocab_size
     reads = reads_values(input_ids)
     if reads:
-        low, high = int(input_ids.min()), int(input_ids.max())
+        low, high = torch.stack(torch.aminmax(input_ids)).tolist()  # one reduction, one host read
         if low < 0 or high >= vocab:
             raise ValueError(f"input_ids holds token id {low if low < 0 else high}, outside the vocabulary "
                              f"[0, {vocab - 1}]; check the tokenizer matches this checkpoint.")
