@@ -15,6 +15,12 @@ HERE = Path(__file__).parent
 FIXTURES = HERE / "fixtures"
 
 
+def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit, also for 1-byte float formats (FP8, E8M0) whose values torch.equal may not compare."""
+    raw = (lambda t: t.view(torch.uint8) if t.element_size() == 1 else t)
+    return torch.equal(raw(a), raw(b))
+
+
 def case_roots() -> list[Path]:
     """tests/fixtures, then any folders named in DEEPSEEK_V41_FIXTURES (os.pathsep-separated)."""
     roots = [FIXTURES]

@@ -15,6 +15,7 @@ peft = pytest.importorskip("peft")
 import modeling_deepseek_v41  # noqa: E402,F401
 from modeling_deepseek_v41.kernels.linear import DeepseekV41Linear  # noqa: E402
 from modeling_deepseek_v41.loading.loader import hub_name  # noqa: E402
+from reference_cases import bit_equal  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoProcessor, Trainer, TrainingArguments  # noqa: E402
 
 CHECKPOINT = Path(__file__).resolve().parents[1] / "examples" / "default-checkpoint"
@@ -123,9 +124,7 @@ def test_lora_on_the_shipped_fp8_fp4_weights_through_trainer(tmp_path):
     for name, value in before.items():
         module, _, leaf = name.rpartition(".")
         now = base[name] if name in base else base[f"{module}.base_layer.{leaf}"]
-        assert now.dtype == value.dtype and torch.equal(now.view(torch.uint8) if now.element_size() == 1 else now,
-                                                        value.view(torch.uint8) if value.element_size() == 1
-                                                        else value), name
+        assert now.dtype == value.dtype and bit_equal(now, value), name
 
     peft_model.save_pretrained(tmp_path / "adapter")
     ids = _ids(model, seed=3)
@@ -182,5 +181,4 @@ def test_other_adapter_kinds_train_on_the_shipped_weights(kind):
     for name, value in before.items():
         module, _, leaf = name.rpartition(".")
         now = base[name] if name in base else base[f"{module}.base_layer.{leaf}"]
-        assert torch.equal(now.view(torch.uint8) if now.element_size() == 1 else now,
-                           value.view(torch.uint8) if value.element_size() == 1 else value), name
+        assert bit_equal(now, value), name
