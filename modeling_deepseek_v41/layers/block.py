@@ -9,10 +9,10 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from ..kernels.numerics import weight_dtype
 from .attention import DeepseekV41Attention
 from .engram import DeepseekV41Engram
-from .hyper_connections import hc_collapse, hc_expand, hc_mixes
 from ..config.layer_plan import LayerSpec
 from .moe import DeepseekV41MoE
 from ..kernels.linear import DeepseekV41RMSNorm
+from ..kernels.mhc import MixWeights, hc_read, hc_write, hc_write_read
 
 
 class DeepseekV41Block(GradientCheckpointingLayer):
@@ -41,28 +41,25 @@ class DeepseekV41Block(GradientCheckpointingLayer):
     def _make_attention(self, config, spec: LayerSpec, quantized: bool) -> nn.Module:
         return DeepseekV41Attention(config, spec, quantized)
 
-    def mixes(self, streams: torch.Tensor, sublayer: str):
-        return hc_mixes(streams, getattr(self, f"hc_{sublayer}_fn"), getattr(self, f"hc_{sublayer}_scale"),
-                        getattr(self, f"hc_{sublayer}_base"), self.hc_mult, self.hc_sinkhorn_iters, self.hc_eps,
-                        self.norm_eps)
+    def mix_weights(self, sublayer: str) -> MixWeights:
+        return MixWeights(getattr(self, f"hc_{sublayer}_fn"), getattr(self, f"hc_{sublayer}_scale"),
+                          getattr(self, f"hc_{sublayer}_base"), self.hc_sinkhorn_iters, self.hc_eps, self.norm_eps)
 
     def forward(self, streams: torch.Tensor, pre_mix: torch.Tensor, image_mask: torch.Tensor | None,
                 *attention_args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [B,S,hc,D], pre_mix [B,S,hc] from the previous sublayer. Returns (streams, the next block's
         pre_mix, router logits, chosen experts)."""
-        attn_mix = self.mixes(streams, "attn")
-        attn_out = self.attn(self.attn_norm(hc_collapse(streams, pre_mix)), *attention_args)
-        streams = hc_expand(attn_out, streams, attn_mix.post, attn_mix.comb)
-        ffn_mix = self.mixes(streams, "ffn")
-        ffn_out, router_logits, experts = self.ffn(self.ffn_norm(hc_collapse(streams, attn_mix.pre)), image_mask)
-        streams = hc_expand(ffn_out, streams, ffn_mix.post, ffn_mix.comb)
-        return streams, ffn_mix.pre, router_logits, experts
-
+        attn_mix, x = hc_read(streams, pre_mix, self.mix_weights("attn"), self.attn_norm)
+        attn_out = self.attn(x, *attention_args)
+        streams, ffn_mix, x = hc_write_read(attn_out, streams, attn_mix, self.mix_weights("ffn"), self.ffn_norm)
+        ffn_out, router_logits, experts = self.ffn(x, image_mask)
+        return hc_write(ffn_out, streams, ffn_mix), ffn_mix.pre, router_logits, experts
 
     def compress_only(self, streams: torch.Tensor, pre_mix: torch.Tensor, positions: torch.Tensor,
                       inv_freq: torch.Tensor, share) -> None:
         """Only what the pool needs from this block: its attention input, compressed into pool rows and keys."""
-        self.attn._pool_rows(self.attn_norm(hc_collapse(streams, pre_mix)), positions, inv_freq, share)
+        _, x = hc_read(streams, pre_mix, self.mix_weights("attn"), self.attn_norm)  # the forward's own x, bit for bit
+        self.attn._pool_rows(x, positions, inv_freq, share)
 
 
 class DeepseekV41BackboneBlock(DeepseekV41Block):
