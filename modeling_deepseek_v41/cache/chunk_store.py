@@ -63,3 +63,6 @@ class ChunkStore:
 
     def write_window(self, layer_id: int, chunk_kv: torch.Tensor, positions: torch.Tensor) -> None:
         pass
+
+    def window_storage(self, layer_id: int, chunk_length: int) -> None:
+        return None  # windows are listed from the chunk

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.dispatch import kernel_path
+from ..kernels.gpu_linear import triton_kernels
+from ..kernels.sparse_attention import StoredPool, StoredWindow
 from .storage import Pool, gather_rows, list_window
 
 
@@ -44,8 +47,26 @@ class KVAccessMixin:
         entries = torch.where((valid & in_chunk).unsqueeze(-1), from_chunk, from_ring)
         return entries, valid
 
+    def window_storage(self, layer_id: int, chunk_length: int) -> StoredWindow | None:
+        """The layer's ring for queries that read their whole window from it (after write_window): chunks of up to
+        crop_horizon + 1 tokens, whose entries never overwrite a slot an earlier query of the chunk still lists."""
+        ring = self.rings[layer_id]
+        window = self.text_config.sliding_window
+        if chunk_length > ring.size - window + 1:
+            return None
+        width = window if self.is_static else min(window, self.chunk_max_length)
+        return StoredWindow(ring.rows.codes, ring.rows.scales, ring.positions, width)
+
+    def pool_storage(self, source: int) -> StoredPool:
+        pool = self.pools[source].kv
+        return StoredPool(pool.codes, pool.scales)
+
     def write_window(self, layer_id: int, chunk_kv: torch.Tensor, positions: torch.Tensor) -> None:
         ring = self.rings[layer_id]
+        if kernel_path(chunk_kv) and positions.shape[1] <= ring.size and chunk_kv.shape[-1] % 32 == 0 \
+                and chunk_kv.shape[-1] & (chunk_kv.shape[-1] - 1) == 0:  # one launch, nothing read back
+            triton_kernels().ring_write(chunk_kv, positions, ring.rows.codes, ring.rows.scales, ring.positions)
+            return
         if positions.shape[1] == 1:  # one token per row: written without reading anything back
             live = positions[:, 0] >= 0
             slots = positions[:, 0] % ring.size

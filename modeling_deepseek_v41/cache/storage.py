@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.sparse_attention import list_window  # noqa: F401  (the cache's import point)
 from .packed_rows import PackedRows
 
 
@@ -74,21 +75,6 @@ class Ring:
         self.size = size
         self.rows = PackedRows("fp8_e8m0", batch, head_dim, size, device)
         self.positions = torch.full((batch, size), -1, dtype=torch.long, device=device)
-
-
-def list_window(positions: torch.Tensor, window: int, width: int, floor: torch.Tensor | None = None,
-                offset: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each query's window, oldest first: the positions listed [B,S,width], their validity, and the chunk index
-    each position has if it is in the chunk. positions [B,S] are contiguous within a row (-1 marks padding);
-    query i at position p lists max(0, p-W+1) .. p, and position q sits at chunk index offset + i - (p - q).
-    Positions below `floor` [B] are hidden (a window restricted to a replayed segment)."""
-    p = positions.unsqueeze(-1)
-    listed = (p - window + 1).clamp_min(0) + torch.arange(max(width, 0), device=positions.device)
-    valid = (listed <= p) & (p >= 0)
-    if floor is not None:
-        valid = valid & (listed >= floor.view(-1, 1, 1))
-    chunk_index = offset + torch.arange(positions.shape[1], device=positions.device).view(1, -1, 1) - (p - listed)
-    return listed, valid, chunk_index
 
 
 def gather_rows(source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -5,8 +5,11 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from .dispatch import compiled, fast_path
-from .numerics import compute_dtype
+from typing import NamedTuple
+
+from .dispatch import compiled, fast_path, kernel_path
+from .numerics import compute_dtype, fp4_dequantize_rows, fp8_act_qdq, fp8_dequantize_rows
+from .rope import apply_rope_tail
 
 SOFTMAX_BLOCK = 64  # the reference kernel walks each query's list in blocks of 64 entries
 
@@ -23,17 +26,29 @@ def stable_topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 def _fused_sparse_attention(q: torch.Tensor, entries: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
                             softmax_scale: float) -> torch.Tensor:
-    """One softmax over all listed entries (sink in the denominator, bf16-rounded probabilities in the numerator):
-    the accelerator path, compiled into a few kernels. It differs from the CPU reference path only in the last
-    bits when a query lists more than 64 entries."""
-    logits = torch.einsum("bshd,bskd->bshk", q.float(), entries.float()) * softmax_scale
-    logits = torch.where(valid.unsqueeze(2), logits, -torch.inf)
-    running_max = torch.maximum(logits.amax(dim=-1), torch.full_like(logits[..., 0], -1e30))
-    probs = torch.exp(logits - running_max.unsqueeze(-1))
-    denominator = probs.sum(dim=-1) + torch.exp(sink.float() - running_max)
-    numerator = torch.einsum("bshk,bskd->bshd", probs.to(q.dtype).float(), entries.float())
-    return (numerator / denominator.unsqueeze(-1)).to(q.dtype)
+    """sparse_attention's blocked online softmax in closed form, for a compiler to fuse (the accelerator path).
 
+    The running max after each block of 64 entries is the cumulative max of the block maxima, so every block's
+    probabilities (rounded to bf16 against it, as the reference does for bf16) and its rescale to the final max
+    are known at once: the same math as the sequential loop, summed in another order."""
+    acc = compute_dtype(q)
+    logits = torch.einsum("bshd,bskd->bshk", q.to(acc), entries.to(acc)) * softmax_scale
+    logits = torch.where(valid.unsqueeze(2), logits, -torch.inf)
+    width = logits.shape[-1]
+    block = SOFTMAX_BLOCK if q.dtype == torch.bfloat16 else max(width, 1)
+    blocks = F.pad(logits, (0, -width % block), value=-torch.inf).unflatten(-1, (-1, block))
+    running = torch.cummax(blocks.amax(dim=-1).clamp_min(-1e30), dim=-1).values  # the running max starts at -1e30
+    probs = torch.exp(blocks - running.unsqueeze(-1))
+    final = running[..., -1]
+    to_final = torch.exp(running - final.unsqueeze(-1))
+    # a query with nothing to attend to outputs zeros; keep its sink term finite
+    sink_term = torch.exp(torch.where(final <= -1e30, torch.zeros_like(final), sink.to(acc) - final))
+    denominator = (probs.sum(dim=-1) * to_final).sum(dim=-1) + sink_term
+    if q.dtype == torch.bfloat16:
+        probs = probs.to(torch.bfloat16).float()
+    numerator_probs = (probs * to_final.unsqueeze(-1)).flatten(-2)[..., :width]
+    numerator = torch.einsum("bshk,bskd->bshd", numerator_probs, entries.to(acc))
+    return (numerator / denominator.unsqueeze(-1)).to(q.dtype)
 
 
 def sparse_attention(q: torch.Tensor, entries: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
@@ -72,6 +87,79 @@ def sparse_attention(q: torch.Tensor, entries: torch.Tensor, valid: torch.Tensor
     sink_term = torch.exp(torch.where(empty, torch.zeros_like(running_max), sink.to(acc_dtype) - running_max))
     denominator = denominator + sink_term
     return (out / denominator.unsqueeze(-1)).to(q.dtype)
+
+
+def list_window(positions: torch.Tensor, window: int, width: int, floor: torch.Tensor | None = None,
+                offset: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each query's window, oldest first: the positions listed [B,S,width], their validity, and the chunk index
+    each position has if it is in the chunk. positions [B,S] are contiguous within a row (-1 marks padding);
+    query i at position p lists max(0, p-W+1) .. p, and position q sits at chunk index offset + i - (p - q).
+    Positions below `floor` [B] are hidden (a window restricted to a replayed segment)."""
+    p = positions.unsqueeze(-1)
+    listed = (p - window + 1).clamp_min(0) + torch.arange(max(width, 0), device=positions.device)
+    valid = (listed <= p) & (p >= 0)
+    if floor is not None:
+        valid = valid & (listed >= floor.view(-1, 1, 1))
+    chunk_index = offset + torch.arange(positions.shape[1], device=positions.device).view(1, -1, 1) - (p - listed)
+    return listed, valid, chunk_index
+
+
+def window_kv(kv: torch.Tensor, norm: torch.nn.Module, rotation: torch.Tensor, rope_dim: int) -> torch.Tensor:
+    """A window entry from its projection kv [B,S,hd]: `norm` (an RMSNorm), RoPE at `rotation`, FP8 QDQ; one
+    launch on CUDA inference."""
+    dim = kv.shape[-1]
+    if kernel_path(kv) and dim % 64 == 0 and dim & (dim - 1) == 0:
+        from .triton import window_kv as fused
+        return fused(kv, norm.weight, norm.eps, rotation, rope_dim)
+    return fp8_act_qdq(apply_rope_tail(norm(kv), rotation, rope_dim))
+
+
+class StoredWindow(NamedTuple):
+    """A layer's window ring as a cache stores it, and how many entries each query lists from it."""
+
+    codes: torch.Tensor  # [B, slots, D] uint8: e4m3 bits
+    scales: torch.Tensor  # [B, slots, D/32] uint8: E8M0 bits
+    positions: torch.Tensor  # [B, slots] the position each slot holds (-1: empty)
+    width: int  # entries listed per query, oldest first (the window, or fewer while the cache is shorter)
+
+
+class StoredPool(NamedTuple):
+    """A compressed pool's rows as a cache stores them."""
+
+    codes: torch.Tensor  # [B, rows, D/2] uint8: e2m1 pairs, the even element in the low nibble
+    scales: torch.Tensor  # [B, rows, D/16] uint8: e4m3 bits
+
+
+def attend_stored(q: torch.Tensor, rotation: torch.Tensor, rope_dim: int, positions: torch.Tensor, window: int,
+                  floor: torch.Tensor | None, ring: StoredWindow, pool: StoredPool | None,
+                  selected: torch.Tensor | None, sink: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+    """CSA2 attention of queries whose whole window is in the ring (the chunk's own entries already written).
+
+    q [B,S,H,D] before RoPE, rotated here at `rotation`; each query attends to its window (positions
+    max(0, p-window+1) onward, `ring.width` of them, those the ring holds at or below p and at or above `floor`),
+    then to the pool rows `selected` [B,S,k] (-1: none), with `sparse_attention`'s numerics; the output gets the
+    inverse RoPE. On CUDA inference one fused launch; otherwise the entries are unpacked and listed here."""
+    if kernel_path(q) and q.shape[-1] % 64 == 0 and (q.shape[-1] - rope_dim) % 2 == 0:
+        from .triton import stored_attention
+        return stored_attention(q, rotation, rope_dim, positions, floor, window, ring, pool, selected, sink,
+                                softmax_scale)
+    listed, valid, _ = list_window(positions, window, ring.width, floor)
+    slots = listed % ring.codes.shape[1]
+    flat = slots.flatten(1)
+    held = ring.positions.gather(1, flat).view_as(slots)
+    valid = valid & (held == listed)
+    rows = torch.arange(q.shape[0], device=q.device).unsqueeze(1)
+    entries = fp8_dequantize_rows(ring.codes[rows, flat].view(torch.float8_e4m3fn),
+                                  ring.scales[rows, flat].view(torch.float8_e8m0fnu), q.dtype)
+    entries = entries.view(*slots.shape, q.shape[-1])
+    if selected is not None:
+        picks = selected.clamp_min(0).flatten(1)
+        pooled = fp4_dequantize_rows(pool.codes[rows, picks], pool.scales[rows, picks].view(torch.float8_e4m3fn),
+                                     q.dtype).view(*selected.shape, q.shape[-1])
+        entries = torch.cat([entries, pooled], dim=2)
+        valid = torch.cat([valid, selected >= 0], dim=2)
+    o = sparse_attention(apply_rope_tail(q, rotation, rope_dim), entries, valid, sink, softmax_scale)
+    return apply_rope_tail(o, rotation, rope_dim, inverse=True)
 
 
 def select_candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, topk_blocks: int,

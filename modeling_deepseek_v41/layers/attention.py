@@ -11,12 +11,12 @@ from .compressor import DeepseekV41Compressor
 from .indexer import QUERY_CHUNK, DeepseekV41Indexer  # queries attended per step: as many as are indexed
 from ..config.layer_plan import LayerSpec
 from ..kernels.linear import DeepseekV41RMSNorm
-from ..kernels.numerics import fp4_quantize_rows, fp8_act_qdq, weight_dtype
+from ..kernels.numerics import fp4_quantize_rows, weight_dtype
 from ..kernels.dispatch import kernel_path
 from ..kernels.gpu_linear import grouped_linear
 from ..kernels.linear import DeepseekV41Linear, DeepseekV41Weight
 from .rotary import apply_rope_tail, rope_angles
-from ..kernels.sparse_attention import sparse_attention
+from ..kernels.sparse_attention import attend_stored, sparse_attention, window_kv
 
 POOL_FP4_BLOCK = 16  # compressed KV: FP4 with E4M3 scales per 16 values
 
@@ -101,21 +101,26 @@ class DeepseekV41Attention(nn.Module):
             o = torch.einsum("bsgd,grd->bsgr", o, wo_a)
         return self.wo_b(o.flatten(2))
 
+    def query_heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the normed low-rank query qr, the queries [B,S,H,hd] before RoPE) of x [B,S,D]."""
+        qr = self.q_norm(self.wq_a(x))
+        return qr, self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+
     def queries(self, x: torch.Tensor, rotation: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the normed low-rank query qr, the RoPE'd queries [B,S,H,hd]) of x [B,S,D]."""
-        qr = self.q_norm(self.wq_a(x))
-        return qr, apply_rope_tail(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), rotation, self.rope_dim)
+        qr, q = self.query_heads(x)
+        return qr, apply_rope_tail(q, rotation, self.rope_dim)
 
     def window_kv(self, x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
         """The single K=V latent [B,S,hd] of x, RoPE'd and FP8-QDQ'd as every window entry is."""
-        return fp8_act_qdq(apply_rope_tail(self.kv_norm(self.wkv(x)), rotation, self.rope_dim))
+        return window_kv(self.wkv(x), self.kv_norm, rotation, self.rope_dim)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotation: torch.Tensor, inv_freq: torch.Tensor,
                 share) -> torch.Tensor:
         """x [B,S,D] normed; positions [B,S] (-1: padding); rotation [B,S,rope/2] at the query positions."""
-        qr, q = self.queries(x, rotation)
+        qr, q = self.query_heads(x)
         kv = self.window_kv(x, rotation)
-        spec = self.spec
+        spec, store = self.spec, share.store
         selected = None
         if spec.ratio:
             if spec.owns_pool:
@@ -125,6 +130,14 @@ class DeepseekV41Attention(nn.Module):
                 share.topk[spec.layer_id] = self.indexer(x, qr, rotation, share.index_keys[spec.pool_source],
                                                          visible, share)
             selected = share.topk[spec.topk_source]
+        ring = store.window_storage(spec.layer_id, q.shape[1])
+        if ring is not None:  # decode-sized chunk on a cache: the ring holds every window entry once written
+            store.write_window(spec.layer_id, kv, positions)
+            pool = store.pool_storage(spec.pool_source) if selected is not None else None
+            o = attend_stored(q, rotation, self.rope_dim, positions, self.window, share.window_floor, ring, pool,
+                              selected, self.attn_sink, self.softmax_scale)
+            return self._output(o)
+        q = apply_rope_tail(q, rotation, self.rope_dim)
         # queries in chunks, so that long prefills gather a bounded number of entries at a time
         outputs = []
         for start in range(0, q.shape[1], QUERY_CHUNK):
@@ -135,7 +148,7 @@ class DeepseekV41Attention(nn.Module):
                 entries = torch.cat([entries, self._pool_entries(rows, share, kv.dtype)], dim=2)
                 valid = torch.cat([valid, rows >= 0], dim=2)
             outputs.append(sparse_attention(q[:, queries], entries, valid, self.attn_sink, self.softmax_scale))
-        share.store.write_window(spec.layer_id, kv, positions)
+        store.write_window(spec.layer_id, kv, positions)
         o = torch.cat(outputs, dim=1)
         o = apply_rope_tail(o, rotation, self.rope_dim, inverse=True)
         return self._output(o)

@@ -1,0 +1,247 @@
+"""CSA2 attention of decode-sized chunks straight from the cache's packed storage, in two launches per layer.
+
+Per query row: RoPE on the queries, the window listed from the layer's FP8 ring (oldest first) and the selected
+rows of the FP4 pool (in selection order) dequantized in registers; phase 1 computes every block of 64 entries'
+logits for all heads at once (each entry dequantized once), phase 2 runs the reference's online softmax over the
+blocks in order (probabilities rounded to bf16 against the running max in the numerator, fp32 in the denominator,
+the sink added at the end) per group of heads and output dims, and the inverse RoPE. That is
+`kernels.sparse_attention.attend_stored`'s exact path, computed with tensor-core dots (every entry value is exact
+in bf16, so only the fp32 summation order differs).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import cast, e2m1_value, reduce_max, reduce_sum
+
+BLOCK_HEADS = 16
+BLOCK_ENTRIES = 64  # the reference kernel's softmax block
+LOGIT_HEADS = 64  # phase 1: heads per program, so each block of entries is dequantized once per row for them all
+QK_CHUNK = 128  # head dims per logit dot
+OUT_CHUNK = 64  # phase 2: output dims per program
+
+
+@triton.jit
+def _rope_chunk(x, rot_ptr, row, c0, D: tl.constexpr, ROPE: tl.constexpr, INVERSE: tl.constexpr,
+                ACC: tl.constexpr):
+    """x [BH, DC] (dims c0 .. c0+DC of each head, in ACC) with its pairs in the last ROPE dims rotated by the row's
+    unit complex rotations (fp32 (cos, sin) pairs at rot_ptr); other pairs pass unchanged."""
+    BH: tl.constexpr = x.shape[0]
+    DC: tl.constexpr = x.shape[1]
+    even, odd = tl.split(tl.reshape(x, [BH, DC // 2, 2]))
+    pair = (c0 - (D - ROPE)) // 2 + tl.arange(0, DC // 2)
+    in_rope = pair >= 0
+    pair = tl.where(in_rope, pair, 0)
+    cos = tl.load(rot_ptr + row * ROPE + 2 * pair, mask=in_rope, other=1.0).to(ACC)[None, :]
+    sin = tl.load(rot_ptr + row * ROPE + 2 * pair + 1, mask=in_rope, other=0.0).to(ACC)[None, :]
+    if INVERSE:
+        sin = -sin
+    rotated_even = tl.where(in_rope[None, :], even * cos - odd * sin, even)
+    rotated_odd = tl.where(in_rope[None, :], even * sin + odd * cos, odd)
+    return rotated_even, rotated_odd
+
+
+@triton.jit
+def _query_chunk(q_ptr, rot_ptr, r, heads, h_ok, H, c0, D: tl.constexpr, ROPE: tl.constexpr, DC: tl.constexpr,
+                 ACC: tl.constexpr, DOT: tl.constexpr):
+    """Dims c0 .. c0+DC of the row's queries [BH, DC] after RoPE, rounded to q's dtype as the reference's are."""
+    q = tl.load(q_ptr + (r * H + heads)[:, None] * D + c0 + tl.arange(0, DC)[None, :], mask=h_ok[:, None],
+                other=0.0).to(ACC)
+    if c0 + DC > D - ROPE:
+        even, odd = _rope_chunk(q, rot_ptr, r, c0, D, ROPE, False, ACC)
+        q = tl.reshape(tl.join(even, odd), [q.shape[0], DC])
+    return cast(q, q_ptr.dtype.element_ty).to(DOT)
+
+
+@triton.jit
+def _window_chunk(codes_ptr, scales_ptr, slot, valid, c0, D: tl.constexpr, DC: tl.constexpr, DOT: tl.constexpr):
+    """Dims c0 .. c0+DC of ring slots `slot` [BL]: e4m3 values times their E8M0 scales (zero where not valid)."""
+    codes = tl.load(codes_ptr + slot[:, None] * D + c0 + tl.arange(0, DC)[None, :], mask=valid[:, None], other=0)
+    values = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    byte = tl.load(scales_ptr + slot[:, None] * (D // 32) + c0 // 32 + tl.arange(0, DC // 32)[None, :],
+                   mask=valid[:, None], other=127).to(tl.int32)
+    scale = (byte << 23).to(tl.float32, bitcast=True)  # E8M0 2^(byte-127); byte 0 never holds a window scale
+    values = tl.reshape(tl.reshape(values, [slot.shape[0], DC // 32, 32]) * scale[:, :, None], [slot.shape[0], DC])
+    return tl.where(valid[:, None], values, 0.0).to(DOT)
+
+
+@triton.jit
+def _pool_chunk(codes_ptr, scales_ptr, row, valid, c0, D: tl.constexpr, DC: tl.constexpr, DOT: tl.constexpr):
+    """Dims c0 .. c0+DC of pool rows `row` [BL]: e2m1 pairs (even element low) times their e4m3 scales per 16."""
+    byte = tl.load(codes_ptr + row[:, None] * (D // 2) + c0 // 2 + tl.arange(0, DC // 2)[None, :],
+                   mask=valid[:, None], other=0).to(tl.int32)
+    values = tl.reshape(tl.join(e2m1_value(byte & 15), e2m1_value((byte >> 4) & 15)), [row.shape[0], DC])
+    scale = tl.load(scales_ptr + row[:, None] * (D // 16) + c0 // 16 + tl.arange(0, DC // 16)[None, :],
+                    mask=valid[:, None], other=0)
+    scale = scale.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    values = tl.reshape(tl.reshape(values, [row.shape[0], DC // 16, 16]) * scale[:, :, None], [row.shape[0], DC])
+    return tl.where(valid[:, None], values, 0.0).to(DOT)
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    if IEEE:
+        out = tl.dot(a, b, input_precision="ieee")
+    else:
+        out = tl.dot(a, b)
+    return out
+
+
+@triton.jit
+def _block_entries(j, n_window, lane, r, b, p, lowest, lowest_visible, width, ring_size, n_topk, ring_pos_ptr,
+                   topk_ptr, stride_rpb, stride_tr, HAS_FLOOR: tl.constexpr):
+    """Block j of the row's entry list: (whether it is a window block, the ring slots or pool rows [BL] it lists,
+    their validity). `width` window entries come first, oldest first, from the ring (an empty or overwritten slot
+    holds another position), then the selected pool rows in selection order (-1: none)."""
+    if j < n_window:
+        listed = lowest + j * lane.shape[0] + lane
+        index = listed % ring_size
+        valid = (listed <= p) & (j * lane.shape[0] + lane < width)  # listed >= 0: a padded query lists nothing
+        if HAS_FLOOR:
+            valid = valid & (listed >= lowest_visible)
+        valid = valid & (tl.load(ring_pos_ptr + b * stride_rpb + index, mask=valid, other=-1) == listed)
+    else:
+        start = (j - n_window) * lane.shape[0]
+        pick = tl.load(topk_ptr + r * stride_tr + start + lane, mask=start + lane < n_topk, other=-1)
+        valid = pick >= 0
+        index = tl.where(valid, pick, 0)
+    return j < n_window, index, valid
+
+
+@triton.jit
+def _entry_chunk(in_window, index, valid, ring_codes, ring_scales, pool_codes, pool_scales, c0, D: tl.constexpr,
+                 DC: tl.constexpr, DOT: tl.constexpr):
+    if in_window:
+        e = _window_chunk(ring_codes, ring_scales, index, valid, c0, D, DC, DOT)
+    else:
+        e = _pool_chunk(pool_codes, pool_scales, index, valid, c0, D, DC, DOT)
+    return e
+
+
+@triton.jit
+def _attention_logits_kernel(q_ptr, rot_ptr, logits_ptr, pos_ptr, floor_ptr, ring_codes_ptr, ring_scales_ptr,
+                             ring_pos_ptr, pool_codes_ptr, pool_scales_ptr, topk_ptr, S, H, window, width, ring_size,
+                             n_topk, n_window, n_blocks, softmax_scale, stride_rcb, stride_rsb, stride_rpb, stride_pcb,
+                             stride_psb, stride_tr, D: tl.constexpr, ROPE: tl.constexpr, BH: tl.constexpr,
+                             BL: tl.constexpr, DC: tl.constexpr, HAS_FLOOR: tl.constexpr, ACC: tl.constexpr,
+                             DOT: tl.constexpr, IEEE: tl.constexpr):
+    """Phase 1: block j of row r's entries dequantized once, its masked, scaled logits for BH heads (every dim)."""
+    r = tl.program_id(0)
+    j = tl.program_id(1)
+    heads = tl.program_id(2) * BH + tl.arange(0, BH)
+    h_ok = heads < H
+    b = r // S
+    p = tl.load(pos_ptr + r)
+    lowest = tl.maximum(p - window + 1, 0)
+    lowest_visible = 0
+    if HAS_FLOOR:
+        lowest_visible = tl.load(floor_ptr + b)
+    lane = tl.arange(0, BL)
+    in_window, index, valid = _block_entries(j, n_window, lane, r, b, p, lowest, lowest_visible, width, ring_size,
+                                             n_topk, ring_pos_ptr, topk_ptr, stride_rpb, stride_tr, HAS_FLOOR)
+    logits = tl.full([BH, BL], 0.0, ACC)
+    for c0 in tl.static_range(0, D, DC):
+        q = _query_chunk(q_ptr, rot_ptr, r, heads, h_ok, H, c0, D, ROPE, DC, ACC, DOT)
+        e = _entry_chunk(in_window, index, valid, ring_codes_ptr + b * stride_rcb, ring_scales_ptr + b * stride_rsb,
+                         pool_codes_ptr + b * stride_pcb, pool_scales_ptr + b * stride_psb, c0, D, DC, DOT)
+        logits += _dot(q, tl.trans(e), IEEE)
+    logits = tl.where(valid[None, :], logits, -float("inf")) * softmax_scale
+    tl.store(logits_ptr + ((r * H + heads) * n_blocks + j)[:, None] * BL + lane[None, :], logits, mask=h_ok[:, None])
+
+
+@triton.jit
+def _attention_output_kernel(rot_ptr, logits_ptr, o_ptr, sink_ptr, pos_ptr, floor_ptr, ring_codes_ptr,
+                             ring_scales_ptr, ring_pos_ptr, pool_codes_ptr, pool_scales_ptr, topk_ptr, S, H, window,
+                             width, ring_size, n_topk, n_window, n_blocks, stride_rcb, stride_rsb, stride_rpb,
+                             stride_pcb, stride_psb, stride_tr, D: tl.constexpr, ROPE: tl.constexpr,
+                             BH: tl.constexpr, BL: tl.constexpr, DO: tl.constexpr, HAS_FLOOR: tl.constexpr,
+                             ROUND_P: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr):
+    """Phase 2: the reference's online softmax over the blocks in order (probabilities rounded to bf16 against the
+    running max in the numerator, fp32 in the denominator, the sink at the end) for BH heads and DO output dims,
+    then the inverse RoPE."""
+    r = tl.program_id(0)
+    heads = tl.program_id(1) * BH + tl.arange(0, BH)
+    h_ok = heads < H
+    o0 = tl.program_id(2) * DO
+    b = r // S
+    p = tl.load(pos_ptr + r)
+    lowest = tl.maximum(p - window + 1, 0)
+    lowest_visible = 0
+    if HAS_FLOOR:
+        lowest_visible = tl.load(floor_ptr + b)
+    lane = tl.arange(0, BL)
+    m = tl.full([BH], -1e30, ACC)
+    den = tl.full([BH], 0.0, ACC)
+    acc = tl.full([BH, DO], 0.0, ACC)
+    for j in range(0, n_blocks):
+        in_window, index, valid = _block_entries(j, n_window, lane, r, b, p, lowest, lowest_visible, width,
+                                                 ring_size, n_topk, ring_pos_ptr, topk_ptr, stride_rpb, stride_tr,
+                                                 HAS_FLOOR)
+        logits = tl.load(logits_ptr + ((r * H + heads) * n_blocks + j)[:, None] * BL + lane[None, :],
+                         mask=h_ok[:, None], other=-float("inf"))
+        e = _entry_chunk(in_window, index, valid, ring_codes_ptr + b * stride_rcb, ring_scales_ptr + b * stride_rsb,
+                         pool_codes_ptr + b * stride_pcb, pool_scales_ptr + b * stride_psb, o0, D, DO, DOT)
+        m_new = tl.maximum(m, reduce_max(logits, 1))
+        rescale = tl.exp(m - m_new)
+        probs = tl.exp(logits - m_new[:, None])
+        den = den * rescale + reduce_sum(probs, 1)
+        if ROUND_P:
+            probs = cast(probs, tl.bfloat16).to(tl.float32)
+        acc = acc * rescale[:, None] + _dot(probs.to(e.dtype), e, IEEE)
+        m = m_new
+    # a query with nothing to attend to outputs zeros (its sink term is kept finite)
+    sink = tl.load(sink_ptr + heads, mask=h_ok, other=0.0).to(ACC)
+    den = den + tl.exp(tl.where(m <= -1e30, 0.0, sink - m))
+    out_dtype: tl.constexpr = o_ptr.dtype.element_ty
+    o = cast(acc / den[:, None], out_dtype).to(ACC)
+    if o0 + DO > D - ROPE:
+        even, odd = _rope_chunk(o, rot_ptr, r, o0, D, ROPE, True, ACC)
+        o = tl.reshape(tl.join(cast(even, out_dtype).to(ACC), cast(odd, out_dtype).to(ACC)), [BH, DO])
+    tl.store(o_ptr + (r * H + heads)[:, None] * D + o0 + tl.arange(0, DO)[None, :], cast(o, out_dtype),
+             mask=h_ok[:, None])
+
+
+def stored_attention(q: torch.Tensor, rotation: torch.Tensor, rope_dim: int, positions: torch.Tensor, floor,
+                     window: int, ring, pool, selected: torch.Tensor | None, sink: torch.Tensor,
+                     softmax_scale: float) -> torch.Tensor:
+    """The launch behind `sparse_attention.attend_stored` (its arguments; ring and pool its StoredWindow and
+    StoredPool, contiguous per row)."""
+    batch, seq, heads, dim = q.shape
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    rot = torch.view_as_real(rotation.to(torch.complex64)).reshape(batch * seq, rope_dim).contiguous()
+    pos = positions.reshape(-1).contiguous()
+    has_pool = selected is not None
+    topk = selected.reshape(batch * seq, -1).contiguous() if has_pool else pos
+    pool_codes, pool_scales = (pool.codes, pool.scales) if has_pool else (ring.codes, ring.scales)
+    for t, width in ((ring.codes, dim), (ring.scales, dim // 32), (pool_codes, dim // 2 if has_pool else dim),
+                     (pool_scales, dim // 16 if has_pool else dim // 32)):
+        if t.stride(2) != 1 or t.stride(1) != width:
+            raise ValueError("the ring and pool rows must be contiguous within each batch row")
+    acc = tl.float64 if q.dtype == torch.float64 else tl.float32
+    dot = tl.float64 if q.dtype == torch.float64 else tl.float32 if q.device.type == "cpu" else tl.bfloat16
+    dc, do = min(QK_CHUNK, dim), min(OUT_CHUNK, dim)
+    n_window = triton.cdiv(ring.width, BLOCK_ENTRIES)
+    n_blocks = n_window + (triton.cdiv(topk.shape[1], BLOCK_ENTRIES) if has_pool else 0)
+    rows = batch * seq
+    logits = torch.empty(rows, heads, max(n_blocks, 1) * BLOCK_ENTRIES, dtype=torch.float32 if acc == tl.float32
+                         else torch.float64, device=q.device)
+    floor_arg = pos if floor is None else floor.contiguous()
+    storage = (ring.codes, ring.scales, ring.positions, pool_codes, pool_scales, topk)
+    shapes = (seq, heads, window, ring.width, ring.codes.shape[1], topk.shape[1] if has_pool else 0, n_window,
+              n_blocks)
+    strides = (ring.codes.stride(0), ring.scales.stride(0), ring.positions.stride(0), pool_codes.stride(0),
+               pool_scales.stride(0), topk.stride(0))
+    common = dict(D=dim, ROPE=rope_dim, BL=BLOCK_ENTRIES, HAS_FLOOR=floor is not None, ACC=acc, DOT=dot,
+                  IEEE=dot != tl.bfloat16)
+    if n_blocks:
+        _attention_logits_kernel[(rows, n_blocks, triton.cdiv(heads, LOGIT_HEADS))](
+            q, rot, logits, pos, floor_arg, *storage, *shapes, softmax_scale, *strides, BH=LOGIT_HEADS, DC=dc,
+            num_warps=8, **common)
+    _attention_output_kernel[(rows, triton.cdiv(heads, BLOCK_HEADS), dim // do)](
+        rot, logits, out, sink, pos, floor_arg, *storage, *shapes, *strides, BH=BLOCK_HEADS, DO=do,
+        ROUND_P=q.dtype == torch.bfloat16, num_warps=4, **common)
+    return out
