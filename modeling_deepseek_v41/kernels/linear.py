@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .dispatch import kernel_path
-from .gpu_linear import dense_kernel_applies, gpu_linear, gpu_linear_input_grad
+from .gpu_linear import dense_kernel_applies, gpu_linear, gpu_linear_input_grad, triton_kernels
 from .numerics import (
     WEIGHT_BLOCK, compute_dtype, dequantize_fp4_weight, dequantize_fp8_weight, fp8_act_qdq, weight_dtype,
 )
@@ -187,6 +187,8 @@ class DeepseekV41RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=weight_dtype(dtype)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if kernel_path(x):
+            return triton_kernels().rms_norm(x, self.weight, self.eps)
         h = x.to(compute_dtype(x))
         h = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + self.eps)
         return (self.weight * h).to(x.dtype)

@@ -13,16 +13,7 @@ from ..kernels.gpu_linear import grouped_moe
 from ..kernels.numerics import compute_dtype, dequantize_fp4_weight, fp8_act_qdq, weight_dtype
 from ..kernels.linear import STORAGE_FP8, DeepseekV41Linear
 from ..kernels.linear import row_invariant_linear
-from ..kernels.sparse_attention import stable_topk_indices
-
-
-def gate_scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
-    """The gate's affinity scores from its logits: "softmax", "sigmoid" or (the released model's) sqrt-softplus."""
-    if scoring_func == "softmax":
-        return logits.softmax(dim=-1)
-    if scoring_func == "sigmoid":
-        return logits.sigmoid()
-    return F.softplus(logits).sqrt()
+from ..kernels.expert_ops import gate_scores, route, swiglu  # noqa: F401  (gate_scores: the layers' import point)
 
 
 class DeepseekV41Gate(nn.Module):
@@ -47,15 +38,9 @@ class DeepseekV41Gate(nn.Module):
         """x [T, D]; image_mask [T] or None. Returns (weights [T,k], experts [T,k], router logits [T,E])."""
         acc = compute_dtype(x)
         logits = row_invariant_linear(x.to(acc), self.weight.to(acc))
-        scores = gate_scores(logits, self.scoring_func)
-        bias = self.bias.to(acc)
-        if image_mask is not None and self.bias_vl is not None:
-            bias = torch.where(image_mask.unsqueeze(-1), self.bias_vl.to(acc), bias)
-        experts = stable_topk_indices(scores + bias, self.top_k)
-        weights = scores.gather(1, experts)
-        if self.norm_topk_prob and self.top_k > 1:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * self.route_scale, experts, logits
+        weights, experts = route(logits, self.scoring_func, self.bias, self.bias_vl, image_mask, self.top_k,
+                                 self.norm_topk_prob, self.route_scale)
+        return weights, experts, logits
 
 
 class DeepseekV41Expert(nn.Module):
@@ -70,15 +55,7 @@ class DeepseekV41Expert(nn.Module):
         self.swiglu_limit = swiglu_limit
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-        acc = compute_dtype(x)
-        gate, up = self.w1(x).to(acc), self.w3(x).to(acc)
-        if self.swiglu_limit > 0:
-            up = up.clamp(-self.swiglu_limit, self.swiglu_limit)
-            gate = gate.clamp(max=self.swiglu_limit)
-        h = F.silu(gate) * up
-        if weights is not None:
-            h = weights * h
-        return self.w2(h.to(x.dtype))
+        return self.w2(swiglu(self.w1(x), self.w3(x), self.swiglu_limit, weights, x.dtype))
 
 
 GATHER_MAX_TOKENS = 16  # up to this many tokens, an accelerator gathers the chosen experts' weights (no host sync)
