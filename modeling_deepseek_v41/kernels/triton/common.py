@@ -58,6 +58,23 @@ _MAX_COMBINE = getattr(tl.standard, "_elementwise_max", _larger)
 
 
 @triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
+def reduce_max(x, axis: tl.constexpr):
+    """max along `axis` (tl.reduce: see abs_max)."""
+    return tl.reduce(x, axis, _MAX_COMBINE)
+
+
+@triton.jit
+def reduce_sum(x, axis: tl.constexpr):
+    """sum along `axis` (tl.reduce: see abs_max)."""
+    return tl.reduce(x, axis, _add)
+
+
+@triton.jit
 def abs_max(x, axis: tl.constexpr):
     """max |x| along `axis`. tl.reduce rather than tl.max: tl.max is fixed as compiled-only when triton was
     imported before TRITON_INTERPRET was set (the model package imports it), tl.reduce is patched either way."""
@@ -71,6 +88,19 @@ def pow2_ceil_scale(amax):
     bits = product.to(tl.int32, bitcast=True)
     exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
     return (exponent << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def qdq_scale(amax):
+    """The FP8 activation QDQ's power-of-two scale of groups with max |x| amax (numerics.fp8_act_qdq)."""
+    return pow2_ceil_scale(tl.maximum(amax, 1e-4))
+
+
+@triton.jit
+def qdq_apply(groups, scale):
+    """groups [G, n, M] (fp32) rounded to e4m3 steps of their scale [G, M] (saturating): exact in bf16."""
+    q = round_e4m3(tl.minimum(tl.maximum(groups / scale[:, None, :], -448.0), 448.0))
+    return q * scale[:, None, :]
 
 
 @triton.jit
@@ -167,10 +197,12 @@ def weight_tile(w_ptr, s_ptr, offs_n, k0, N, K, stride_wn, stride_sn, BK: tl.con
 def dot_k_range(acc, w_ptr, s_ptr, x_ptr, xs_ptr, offs_n, rows, row_mask, k_start, k_stop, N, K,
                 stride_wn, stride_sn, stride_xm, stride_xsm,
                 BK: tl.constexpr, WFMT: tl.constexpr, FP8_DOT: tl.constexpr, X_DTYPE: tl.constexpr,
-                DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr):
+                DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr, QDQ_X: tl.constexpr):
     """acc[BN, BM] += W[offs_n, k_start:k_stop] @ X[rows, k_start:k_stop]^T, BK columns at a time, fixed order.
 
-    Default: each [BN, BK] weight tile (packed FP4: each 32-wide slice) dequantized exactly to DOT_DTYPE in
+    QDQ_X: the activations are raw and get the reference's FP8 activation QDQ here, per 32 columns (which a
+    BK tile holds whole), instead of in a launch of their own.
+    Default: each [BN, BK] weight tile (packed FP4: its even and its odd columns) dequantized exactly to DOT_DTYPE in
     registers (e4m3/e2m1 times a power of two is exact in bf16) and multiplied in one tensor-core dot with the
     activations rounded to X_DTYPE (for quantized weights already exactly QDQ'd, so exact in bf16; for dense ones
     the weight's dtype, as F.linear(x.to(w.dtype), w) does): exact products, fp32 accumulation.
@@ -190,12 +222,34 @@ def dot_k_range(acc, w_ptr, s_ptr, x_ptr, xs_ptr, offs_n, rows, row_mask, k_star
                 else:
                     part = tl.dot(w, x)
                 acc += part * (ws[:, None] * xs[None, :])
-        elif WFMT == 2:  # packed FP4: 32-wide slices, nibbles re-encoded as e4m3 (cheaper than whole-tile unpacking)
-            for j in tl.static_range(BK // 32):
-                k0 = k + j * 32
-                w = weight_slice(w_ptr, offs_n, k0, N, K, stride_wn, WFMT).to(tl.float32)
-                w = (w * weight_scale(s_ptr, offs_n, k0, N, K, stride_sn, WFMT)[:, None]).to(DOT_DTYPE)
-                x = cast(act_slice_t(x_ptr, rows, row_mask, k0, K, stride_xm, WFMT), X_DTYPE).to(DOT_DTYPE)
+        elif WFMT == 2:  # packed FP4: BK/2 bytes per row at once, the even and the odd columns one dot each
+            half = tl.arange(0, BK // 2)
+            row_ok = offs_n < N
+            byte = tl.load(w_ptr + offs_n[:, None] * stride_wn + (k // 2 + half)[None, :],
+                           mask=row_ok[:, None] & ((k + 2 * half) < K)[None, :], other=0).to(tl.int32)
+            groups = k // 32 + tl.arange(0, BK // 32)
+            # 2^6 undoes the 2^-6 of the e4m3 encoding of the nibbles (see weight_slice)
+            scale = 64.0 * e8m0_value(s_ptr + offs_n[:, None] * stride_sn + groups[None, :],
+                                      row_ok[:, None] & (groups * 32 < K)[None, :])
+            x_even = tl.load(x_ptr + rows[None, :] * stride_xm + (k + 2 * half)[:, None],
+                             mask=((k + 2 * half)[:, None] < K) & row_mask[None, :], other=0.0)
+            x_odd = tl.load(x_ptr + rows[None, :] * stride_xm + (k + 2 * half + 1)[:, None],
+                            mask=((k + 2 * half + 1)[:, None] < K) & row_mask[None, :], other=0.0)
+            if QDQ_X:  # a group of 32 columns is 16 even and 16 odd ones: one scale for both
+                even3 = tl.reshape(x_even.to(tl.float32), [BK // 32, 16, rows.shape[0]])
+                odd3 = tl.reshape(x_odd.to(tl.float32), [BK // 32, 16, rows.shape[0]])
+                x_scale = qdq_scale(tl.maximum(abs_max(even3, 1), abs_max(odd3, 1)))
+                x_even = tl.reshape(qdq_apply(even3, x_scale), [BK // 2, rows.shape[0]])
+                x_odd = tl.reshape(qdq_apply(odd3, x_scale), [BK // 2, rows.shape[0]])
+            for parity in tl.static_range(2):
+                nibble = (byte >> (4 * parity)) & 15
+                w = (((nibble & 8) << 4) | ((nibble & 7) << 2)).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+                w = tl.reshape(tl.reshape(w.to(tl.float32), [offs_n.shape[0], BK // 32, 16]) * scale[:, :, None],
+                               [offs_n.shape[0], BK // 2]).to(DOT_DTYPE)
+                if parity == 0:
+                    x = cast(x_even, X_DTYPE).to(DOT_DTYPE)
+                else:
+                    x = cast(x_odd, X_DTYPE).to(DOT_DTYPE)
                 if IEEE:
                     acc = tl.dot(w, x, acc, input_precision="ieee")
                 else:
@@ -205,6 +259,9 @@ def dot_k_range(acc, w_ptr, s_ptr, x_ptr, xs_ptr, offs_n, rows, row_mask, k_star
             cols = k + tl.arange(0, BK)
             x = tl.load(x_ptr + rows[None, :] * stride_xm + cols[:, None],
                         mask=(cols[:, None] < K) & row_mask[None, :], other=0.0)
+            if QDQ_X:
+                x3 = tl.reshape(x.to(tl.float32), [BK // 32, 32, rows.shape[0]])
+                x = tl.reshape(qdq_apply(x3, qdq_scale(abs_max(x3, 1))), [BK, rows.shape[0]])
             x = cast(x, X_DTYPE).to(DOT_DTYPE)
             if IEEE:
                 acc = tl.dot(w, x, acc, input_precision="ieee")
@@ -216,10 +273,14 @@ def dot_k_range(acc, w_ptr, s_ptr, x_ptr, xs_ptr, offs_n, rows, row_mask, k_star
 @triton.jit
 def arrive_last(count_ptr, tile, splits):
     """Whether this program is the last of the `splits` programs sharing `tile` to have stored its partial sums:
-    that one adds them up in split order (deterministic) in the same launch. The counts are zero at launch."""
+    that one adds them up in split order (deterministic) in the same launch, and sets the count back to zero for
+    the next launch (workspace.arrival_counts: the counts are zero at launch)."""
     tl.debug_barrier()  # every thread's partial stores come before the arrival is counted
     ticket = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-    return ticket == splits - 1
+    last = ticket == splits - 1
+    if last:
+        tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
+    return last
 
 
 @triton.jit
