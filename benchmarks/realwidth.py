@@ -113,7 +113,7 @@ def decode_rows(model, context: int, batches: list[int], steps: int, bandwidth: 
     for batch in batches:
         cache, token = prefilled_cache(model, context, batch)
         row = {"decode_batch": batch, "context": context}
-        if eager:
+        if eager and batch == 1:  # eager rows beyond batch 1 cost minutes and are not a target
             eager_cache = copy.deepcopy(cache)
 
             def eager_step():
@@ -134,19 +134,27 @@ def decode_rows(model, context: int, batches: list[int], steps: int, bandwidth: 
     return rows
 
 
-def profile_decode(model, context: int, steps: int = 3, top: int = 25) -> None:
-    """The CUDA time of one eager batch-1 decode step by kernel (torch.profiler), largest first."""
+def profile_decode(model, context: int, steps: int = 3, top: int = 30) -> None:
+    """The CUDA time of a graph-replayed batch-1 decode step by kernel (torch.profiler), largest first."""
     cache, token = prefilled_cache(model, context, 1)
-    with torch.no_grad():
-        model(token, cache=copy.deepcopy(cache))  # compiles and builds what the step needs
+    decoder = DeepseekV41CUDAGraphDecoder(model, cache, max_new_tokens=steps + 4)
+    for _ in range(3):  # eager, recording, one replay
+        decoder.step(token)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            decoder.step(token)
         torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
-                model(token, cache=copy.deepcopy(cache))
-            torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="device_time_total", row_limit=top, max_name_column_width=60))
-    total = sum(getattr(e, "device_time_total", 0) for e in prof.key_averages()) / 1e3 / steps
-    print(json.dumps({"profiled_steps": steps, "gpu_busy_ms_per_step": total}), flush=True)
+    decoder.close()
+    kernels = sorted((e for e in prof.key_averages() if e.self_device_time_total > 0),
+                     key=lambda e: -e.self_device_time_total)
+    print("top kernels of a replayed step (us per step, launches per step):")
+    for e in kernels[:top]:
+        print(f"K {e.self_device_time_total / steps:10.1f} {e.count // steps:6d}  {e.key[:100]}")
+    total = sum(e.self_device_time_total for e in kernels) / 1e3 / steps
+    launches = sum(e.count for e in kernels) // steps
+    print(json.dumps({"profiled_steps": steps, "gpu_busy_ms_per_step": total, "launches_per_step": launches}),
+          flush=True)
 
 
 def prefill_rows(model, lengths: list[int], modes: list[str], skip: set[tuple[str, int]]) -> list[dict]:
@@ -190,7 +198,7 @@ def main() -> None:
     parser.add_argument("--skip-prefill", type=int, nargs="*", default=[],
                         help="lengths run in bounded_replay only (exact at 64K is the slow path)")
     parser.add_argument("--no-eager", action="store_true")
-    parser.add_argument("--profile", action="store_true", help="only profile one eager batch-1 decode step")
+    parser.add_argument("--profile", action="store_true", help="also profile graph-replayed batch-1 decode steps")
     parser.add_argument("--bandwidth", type=float, default=4.8e12)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -201,10 +209,9 @@ def main() -> None:
     print(json.dumps({"mode": args.mode, "experts": args.experts, "weights_gib": round(weights_gib, 2),
                       "build_s": round(time.perf_counter() - start, 1),
                       "device": torch.cuda.get_device_name()}), flush=True)
+    decode_rows(model, args.context, args.batches, args.steps, args.bandwidth, eager=not args.no_eager)
     if args.profile:
         profile_decode(model, args.context)
-        return
-    decode_rows(model, args.context, args.batches, args.steps, args.bandwidth, eager=not args.no_eager)
     skip = {("exact", n) for n in args.skip_prefill}
     prefill_rows(model, args.prefill, args.prefill_modes, skip)
 

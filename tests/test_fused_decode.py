@@ -1,0 +1,236 @@
+"""The fused decode kernels (mHC steps, attention from the cache's packed storage) against the ops' exact paths.
+
+Every GPU formulation computes the reference's math: run in float64 (Triton's interpreter on the CPU, the same
+program the GPU compiles) it equals the exact path to 1e-10 relative; in the model's dtypes it stays within fp32
+summation order of it (bf16 roundings land on the same side but where a sum's order moves a value across a
+rounding boundary). Without a GPU the kernels run in the interpreter on small shapes, with one the same checks run
+compiled.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"  # read when a kernel is defined, so before the kernel modules load
+
+from modeling_deepseek_v41.kernels import mhc  # noqa: E402
+from modeling_deepseek_v41.kernels.numerics import fp4_quantize_rows, fp8_quantize_rows  # noqa: E402
+from modeling_deepseek_v41.kernels.sparse_attention import StoredPool, StoredWindow, attend_stored  # noqa: E402
+from modeling_deepseek_v41.kernels.triton import hc_expand, hc_step, stored_attention  # noqa: E402
+
+DEVICE = "cuda" if CUDA else "cpu"
+EXACT = 1e-10  # float64: the same math, only the summation order differs
+# float64 checks the math in the interpreter; compiled, the kernels run the model's dtypes
+DTYPES = [torch.bfloat16] if CUDA else [torch.float64, torch.bfloat16]
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double().cpu(), ref.double().cpu()
+    assert torch.isfinite(out).all()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+class _Norm(torch.nn.Module):
+    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+        super().__init__()
+        self.weight, self.eps = torch.nn.Parameter(weight, requires_grad=False), eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+        return (self.weight * (h * torch.rsqrt(h.square().mean(-1, keepdim=True) + self.eps))).to(x.dtype)
+
+
+def _hc_case(dtype: torch.dtype, rows: int, dim: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    hc = 4
+    streams = torch.randn(1, rows, hc, dim, generator=g).to(dtype)
+    read = torch.rand(1, rows, hc, generator=g).to(acc)
+    fn = (torch.randn(24, hc * dim, generator=g) * (hc * dim) ** -0.5).to(acc)
+    scale, base = (torch.rand(3, generator=g) + 0.5).to(acc), torch.randn(24, generator=g).to(acc)
+    norm = _Norm((torch.rand(dim, generator=g) + 0.5).to(dtype), 1e-20)
+    output = torch.randn(1, rows, dim, generator=g).to(dtype)
+    written = mhc.HyperMix(torch.rand(1, rows, hc, generator=g).to(acc), 2 * torch.rand(1, rows, hc, generator=g).to(acc),
+                           torch.rand(1, rows, hc, hc, generator=g).to(acc))
+    mix = mhc.MixWeights(fn, scale, base, 20, 1e-6, 1e-20)
+    return streams, read, mix, norm, output, written
+
+
+def _on_device(*tensors):
+    return [t.to(DEVICE) for t in tensors]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_hc_step_computes_the_exact_mhc_math(dtype):
+    streams, read, mix, norm, output, written = _hc_case(dtype, rows=3, dim=256)
+    with torch.no_grad():
+        new_ref = mhc.hc_expand(output, streams, written.post, written.comb)
+        mixes_ref, x_ref = mhc.hc_read(new_ref, written.pre, mix, norm)
+        args = _on_device(streams, written.pre, mix.fn, mix.scale, mix.base, norm.weight)
+        new, pre, post, comb, x = hc_step(*args, 20, 1e-6, 1e-20, 1e-20, *_on_device(output, written.post,
+                                                                                     written.comb))
+        expanded = hc_expand(*_on_device(output, streams, written.post, written.comb))
+    # the expansion has no reduction long enough to round differently (compiled, its multiply-adds may fuse: one
+    # rounding step at most); the mixes sum 4*D products
+    for got in (new, expanded):
+        if CUDA:
+            assert ((got.cpu().double() - new_ref.double()).abs() <= new_ref.double().abs() * 2.0**-7).all()
+        else:
+            assert torch.equal(got, new_ref)
+    bound = EXACT if dtype == torch.float64 else 1e-6
+    for got, ref in ((pre, mixes_ref.pre), (post, mixes_ref.post), (comb, mixes_ref.comb)):
+        assert _rel(got, ref) <= bound
+    if dtype == torch.float64:
+        assert _rel(x, x_ref) <= EXACT
+    else:  # bf16 outputs: at most a few values one bf16 step away where an fp32 statistic rounds differently
+        assert (x.cpu().float() - x_ref.float()).abs().max() <= 2.0**-7 * x_ref.float().abs().max()
+
+
+@pytest.mark.parametrize("dtype", DTYPES[:1])
+def test_hc_read_without_expansion_and_with_rows_past_a_block(dtype):
+    streams, read, mix, norm, _, _ = _hc_case(dtype, rows=19, dim=200, seed=1)
+    with torch.no_grad():
+        mixes_ref, x_ref = mhc.hc_read(streams, read, mix, norm)
+        _, pre, post, comb, x = hc_step(*_on_device(streams, read, mix.fn, mix.scale, mix.base, norm.weight), 20, 1e-6,
+                                        1e-20, 1e-20)
+    for got, ref in ((pre, mixes_ref.pre), (post, mixes_ref.post), (comb, mixes_ref.comb), (x, x_ref)):
+        assert _rel(got, ref) <= (EXACT if dtype == torch.float64 else 4e-3)
+
+
+def _stored_case(dtype: torch.dtype, batch: int, seq: int, heads: int, dim: int, window: int, slots: int,
+                 pool_rows: int, topk: int, start: int, seed: int = 0):
+    """A cache-like ring and pool holding positions 0 .. start + seq - 1, and queries at start .. start+seq-1."""
+    g = torch.Generator().manual_seed(seed)
+    length = start + seq
+    ring_values = torch.randn(batch, slots, dim, generator=g)
+    ring_codes, ring_scales = fp8_quantize_rows(ring_values)
+    ring_positions = torch.full((batch, slots), -1, dtype=torch.long)
+    for p in range(max(0, length - slots), length):
+        ring_positions[:, p % slots] = p
+    pool_codes, pool_scales = fp4_quantize_rows(torch.randn(batch, pool_rows, dim, generator=g), 16, "e4m3")
+    ring = StoredWindow(ring_codes.view(torch.uint8), ring_scales.view(torch.uint8), ring_positions, window)
+    pool = StoredPool(pool_codes, pool_scales.to(torch.float8_e4m3fn).view(torch.uint8))
+    positions = (start + torch.arange(seq)).repeat(batch, 1)
+    positions[0, 0] = -1 if seq > 1 else positions[0, 0]  # a padded query outputs zeros
+    selected = torch.stack([torch.randperm(pool_rows, generator=g)[:topk].sort().values for _ in range(batch * seq)])
+    selected = selected.view(batch, seq, topk)
+    selected[..., -3:] = -1  # fewer rows than the selection's width
+    if seq > 1:
+        selected[0, 0] = -1  # the padded query sees no pool row either
+    q = torch.randn(batch, seq, heads, dim, generator=g).to(dtype)
+    angles = positions.clamp_min(0).unsqueeze(-1).float() * torch.rand(8, generator=g)
+    rotation = torch.polar(torch.ones_like(angles), angles)
+    sink = torch.randn(heads, generator=g)
+    return q, rotation, positions, ring, pool, selected, sink
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("start", [5, 150])  # a ring still filling, and one that wrapped
+def test_stored_attention_computes_the_exact_attention(dtype, start):
+    q, rotation, positions, ring, pool, selected, sink = _stored_case(
+        dtype, batch=2, seq=2, heads=3, dim=128, window=96, slots=120, pool_rows=100, topk=70, start=start)
+    floor = torch.tensor([0, start - 20]) if start > 20 else None
+    with torch.no_grad():
+        ref = attend_stored(q, rotation, 16, positions, 96, floor, ring, pool, selected, sink, 0.09)
+        dev = lambda t: t.to(DEVICE)  # noqa: E731
+        out = stored_attention(dev(q), dev(rotation), 16, dev(positions), None if floor is None else dev(floor), 96,
+                               StoredWindow(*map(dev, ring[:3]), ring.width), StoredPool(*map(dev, pool)),
+                               dev(selected), dev(sink), 0.09)
+    assert _rel(out, ref) <= (EXACT if dtype == torch.float64 else 4e-3)
+    assert (out[0, 0].abs().max() == 0) == (positions[0, 0] < 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES[:1])
+def test_stored_attention_without_a_pool_and_a_short_listing(dtype):
+    q, rotation, positions, ring, pool, selected, sink = _stored_case(
+        dtype, batch=1, seq=1, heads=17, dim=64, window=128, slots=192, pool_rows=8, topk=4, start=40)
+    ring = ring._replace(width=41)  # a growing cache lists min(window, its length) entries
+    with torch.no_grad():
+        ref = attend_stored(q, rotation, 16, positions, 128, None, ring, None, None, sink, 0.1)
+        out = stored_attention(*(t.to(DEVICE) for t in (q, rotation)), 16, positions.to(DEVICE), None, 128,
+                               StoredWindow(*(t.to(DEVICE) for t in ring[:3]), ring.width), None, None,
+                               sink.to(DEVICE), 0.1)
+    assert _rel(out, ref) <= (EXACT if dtype == torch.float64 else 4e-3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_row_kernels_compute_the_exact_ops(dtype):
+    """RMSNorm, the window entry (norm, RoPE, FP8 QDQ), the router and the SwiGLU: one launch each."""
+    from modeling_deepseek_v41.kernels import expert_ops
+    from modeling_deepseek_v41.kernels.sparse_attention import window_kv as exact_window_kv
+    from modeling_deepseek_v41.kernels.triton import rms_norm, route, swiglu, window_kv
+
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(5, 128, generator=g) * 3).to(dtype)
+    norm = _Norm((torch.rand(128, generator=g) + 0.5).to(dtype), 1e-6)
+    angles = torch.rand(5, 8, generator=g) * 7
+    rotation = torch.polar(torch.ones_like(angles), angles)
+    dev = lambda t: t.to(DEVICE)  # noqa: E731
+    bound = EXACT if dtype == torch.float64 else 0.0
+    with torch.no_grad():
+        assert _rel(rms_norm(dev(x), dev(norm.weight), 1e-6), norm(x)) <= max(bound, 2.0**-8)
+        ref = exact_window_kv(x, norm, rotation, 16)
+        out = window_kv(dev(x), dev(norm.weight), 1e-6, dev(rotation), 16)
+        # the QDQ'd values are on the e4m3 grid: equal, but where a last-bit difference of the norm moves one across
+        assert (out.cpu() != ref).double().mean() <= (0.0 if dtype == torch.float64 else 0.02)
+        logits = torch.randn(7, 48, generator=g, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+        logits[0, :4] = logits[0, 4]  # ties go to the lower expert id
+        bias, vision_bias = torch.randn(48, generator=g) * 0.1, torch.randn(48, generator=g) * 0.1
+        image = torch.tensor([0, 1, 0, 0, 1, 1, 0], dtype=torch.bool)
+        ref_w, ref_e = expert_ops.route(logits, "sqrtsoftplus", bias, vision_bias, image, 6, True, 1.5)
+        w, e = route(dev(logits), dev(bias), dev(vision_bias), dev(image), 6, True, 1.5)
+        assert torch.equal(e.cpu(), ref_e)
+        assert _rel(w, ref_w) <= (EXACT if dtype == torch.float64 else 1e-6)
+        gate, up = (torch.randn(4, 300, generator=g) * 6).to(dtype), (torch.randn(4, 300, generator=g) * 6).to(dtype)
+        weights = torch.rand(4, 1, generator=g).to(logits.dtype)
+        ref = expert_ops.swiglu(gate, up, 10.0, weights, dtype)
+        assert _rel(swiglu(dev(gate), dev(up), 10.0, dev(weights), dtype), ref) <= max(bound, 2.0**-8)
+
+
+def test_ring_write_stores_the_packed_rows_of_the_exact_path():
+    from modeling_deepseek_v41.cache.packed_rows import PackedRows
+    from modeling_deepseek_v41.kernels.numerics import fp8_act_qdq
+    from modeling_deepseek_v41.kernels.triton import ring_write
+
+    g = torch.Generator().manual_seed(4)
+    values = fp8_act_qdq(torch.randn(2, 3, 64, generator=g).to(torch.bfloat16))
+    positions = torch.tensor([[7, 8, 9], [-1, 30, 31]])
+    exact = PackedRows("fp8_e8m0", 2, 64, 12, torch.device("cpu"))
+    live = positions >= 0
+    batch_ids = torch.arange(2).unsqueeze(1).expand_as(positions)
+    exact.write(batch_ids[live], (positions % 12)[live], values[live])
+    codes, scales = torch.zeros(2, 12, 64, dtype=torch.uint8), torch.zeros(2, 12, 2, dtype=torch.uint8)
+    held = torch.full((2, 12), -1)
+    codes, scales, held = codes.to(DEVICE), scales.to(DEVICE), held.to(DEVICE)
+    ring_write(values.to(DEVICE), positions.to(DEVICE), codes, scales, held)
+    decoded = PackedRows("fp8_e8m0", 2, 64, 12, torch.device("cpu"))
+    decoded.codes, decoded.scales = codes.cpu(), scales.cpu()
+    assert torch.equal(decoded.read(12, torch.float32), exact.read(12, torch.float32))
+    expected = torch.full((2, 12), -1)
+    expected[batch_ids[live], (positions % 12)[live]] = positions[live]
+    assert torch.equal(held.cpu(), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_the_compiled_attention_formulation_computes_the_blocked_softmax(dtype):
+    """The accelerator's closed form of the blocked online softmax against the sequential loop (the reference)."""
+    from modeling_deepseek_v41.kernels.sparse_attention import _fused_sparse_attention, sparse_attention
+
+    g = torch.Generator().manual_seed(5)
+    q = (torch.randn(2, 3, 4, 32, generator=g) * 2).to(dtype)
+    entries = torch.randn(2, 3, 150, 32, generator=g).to(dtype)
+    valid = torch.rand(2, 3, 150, generator=g) < 0.8
+    valid[0, 0] = False  # nothing to attend to: zeros
+    valid[1, 2, :70] = False  # the first block empty, the second starting the running max
+    sink = torch.randn(4, generator=g)
+    with torch.no_grad():
+        ref = sparse_attention(q, entries, valid, sink, 0.2)  # the CPU's exact loop
+        out = _fused_sparse_attention(q, entries, valid, sink, 0.2)
+    assert _rel(out, ref) <= (EXACT if dtype == torch.float64 else 4e-3)
+    assert out[0, 0].abs().max() == 0
