@@ -91,19 +91,6 @@ def pow2_ceil_scale(amax):
 
 
 @triton.jit
-def qdq_scale(amax):
-    """The FP8 activation QDQ's power-of-two scale of groups with max |x| amax (numerics.fp8_act_qdq)."""
-    return pow2_ceil_scale(tl.maximum(amax, 1e-4))
-
-
-@triton.jit
-def qdq_apply(groups, scale):
-    """groups [G, n, M] (fp32) rounded to e4m3 steps of their scale [G, M] (saturating): exact in bf16."""
-    q = round_e4m3(tl.minimum(tl.maximum(groups / scale[:, None, :], -448.0), 448.0))
-    return q * scale[:, None, :]
-
-
-@triton.jit
 def e2m1_value(code):
     """fp32 value of 4-bit e2m1 codes (int32, bit 3 = sign): 0, .5, 1, 1.5, 2, 3, 4, 6 (all exact in e4m3)."""
     exponent = (code >> 1) & 3
@@ -197,11 +184,9 @@ def weight_tile(w_ptr, s_ptr, offs_n, k0, N, K, stride_wn, stride_sn, BK: tl.con
 def dot_k_range(acc, w_ptr, s_ptr, x_ptr, xs_ptr, offs_n, rows, row_mask, k_start, k_stop, N, K,
                 stride_wn, stride_sn, stride_xm, stride_xsm,
                 BK: tl.constexpr, WFMT: tl.constexpr, FP8_DOT: tl.constexpr, X_DTYPE: tl.constexpr,
-                DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr, QDQ_X: tl.constexpr):
+                DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr):
     """acc[BN, BM] += W[offs_n, k_start:k_stop] @ X[rows, k_start:k_stop]^T, BK columns at a time, fixed order.
 
-    QDQ_X: the activations are raw and get the reference's FP8 activation QDQ here, per 32 columns (which a
-    BK tile holds whole), instead of in a launch of their own.
     Default: each [BN, BK] weight tile (packed FP4: its even and its odd columns) dequantized exactly to DOT_DTYPE in
     registers (e4m3/e2m1 times a power of two is exact in bf16) and multiplied in one tensor-core dot with the
     activations rounded to X_DTYPE (for quantized weights already exactly QDQ'd, so exact in bf16; for dense ones
@@ -235,12 +220,6 @@ def dot_k_range(acc, w_ptr, s_ptr, x_ptr, xs_ptr, offs_n, rows, row_mask, k_star
                              mask=((k + 2 * half)[:, None] < K) & row_mask[None, :], other=0.0)
             x_odd = tl.load(x_ptr + rows[None, :] * stride_xm + (k + 2 * half + 1)[:, None],
                             mask=((k + 2 * half + 1)[:, None] < K) & row_mask[None, :], other=0.0)
-            if QDQ_X:  # a group of 32 columns is 16 even and 16 odd ones: one scale for both
-                even3 = tl.reshape(x_even.to(tl.float32), [BK // 32, 16, rows.shape[0]])
-                odd3 = tl.reshape(x_odd.to(tl.float32), [BK // 32, 16, rows.shape[0]])
-                x_scale = qdq_scale(tl.maximum(abs_max(even3, 1), abs_max(odd3, 1)))
-                x_even = tl.reshape(qdq_apply(even3, x_scale), [BK // 2, rows.shape[0]])
-                x_odd = tl.reshape(qdq_apply(odd3, x_scale), [BK // 2, rows.shape[0]])
             for parity in tl.static_range(2):
                 nibble = (byte >> (4 * parity)) & 15
                 w = (((nibble & 8) << 4) | ((nibble & 7) << 2)).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
@@ -259,9 +238,6 @@ def dot_k_range(acc, w_ptr, s_ptr, x_ptr, xs_ptr, offs_n, rows, row_mask, k_star
             cols = k + tl.arange(0, BK)
             x = tl.load(x_ptr + rows[None, :] * stride_xm + cols[:, None],
                         mask=(cols[:, None] < K) & row_mask[None, :], other=0.0)
-            if QDQ_X:
-                x3 = tl.reshape(x.to(tl.float32), [BK // 32, 32, rows.shape[0]])
-                x = tl.reshape(qdq_apply(x3, qdq_scale(abs_max(x3, 1))), [BK, rows.shape[0]])
             x = cast(x, X_DTYPE).to(DOT_DTYPE)
             if IEEE:
                 acc = tl.dot(w, x, acc, input_precision="ieee")

@@ -1,9 +1,9 @@
 """Linears on the GPU: block-scaled FP8, packed FP4 (or its FP8 re-encode) and dense bf16/fp32 weights.
 
 Quantized weights: each [BN, BK] weight tile (packed FP4: its even and its odd columns) is dequantized exactly to
-bf16 in registers (e4m3/e2m1 values times powers of two) and multiplied with the exactly QDQ'd activations (the
-reference's FP8 activation QDQ, done on the tile in the kernel; exact in bf16) in a tensor-core dot: exact products,
-fp32 accumulation, so the emulation's numbers up to fp32 summation order.
+bf16 in registers (e4m3/e2m1 values times powers of two) and multiplied with the exactly QDQ'd activations
+(quant.fp8_act_qdq, exact in bf16; done on the tile inside the linear it was 2-2.5x slower, every program repeating
+it) in a tensor-core dot: exact products, fp32 accumulation, so the emulation's numbers up to fp32 summation order.
 fp8_dot=True multiplies the e4m3 values on the FP8 tensor cores instead, 32 columns per dot with both scales
 applied to each slice's result: Hopper's FP8 dots sum with less than fp32 precision (4.6e-5 relative error
 measured on the H200).
@@ -40,8 +40,7 @@ SPLIT_TARGET_PROGRAMS = 264  # about two waves on a 132-SM H200; a constant, so 
 def _linear_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K, k_chunk, splits,
                    stride_xm, stride_xsm, stride_wn, stride_sn, stride_om,
                    BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, WFMT: tl.constexpr,
-                   FP8_DOT: tl.constexpr, X_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
-                   QDQ_X: tl.constexpr):
+                   FP8_DOT: tl.constexpr, X_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr):
     """out[m, g*N + n] = sum over k of x[m, g*K + k] w[g*N + n, k] for the group g of the grid's third axis (a
     plain linear is one group), this program's split of K only; acc[BN, BM] holds the transpose."""
     pid_m = tl.program_id(0)
@@ -57,7 +56,7 @@ def _linear_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M,
     acc = tl.full([BN, BM], 0.0, tl.float32)
     acc = dot_k_range(acc, w_ptr + g * N * stride_wn, s_ptr + scale_rows * stride_sn, x_ptr + g * K,
                       xs_ptr + g * (K // 32), offs_n, rows, row_mask, k_start, k_stop, N, K, stride_wn, stride_sn,
-                      stride_xm, stride_xsm, BK, WFMT, FP8_DOT, X_DTYPE, DOT_DTYPE, IEEE, QDQ_X)
+                      stride_xm, stride_xsm, BK, WFMT, FP8_DOT, X_DTYPE, DOT_DTYPE, IEEE)
     mask = (offs_n[:, None] < N) & row_mask[None, :]
     offs = rows[None, :] * stride_om + g * N + offs_n[:, None]
     if splits == 1:
@@ -119,12 +118,11 @@ def dot_dtype_for(device: torch.device, dtype: torch.dtype) -> torch.dtype:
 
 def run_linear(x2d: torch.Tensor, xs: torch.Tensor | None, weight: torch.Tensor, scale: torch.Tensor | None,
                fmt: int, n: int, k: int, out_dtype: torch.dtype, dot_dtype: torch.dtype, groups: int = 1,
-               tile: dict | None = None, split_target: int = SPLIT_TARGET_PROGRAMS, qdq_x: bool = False
-               ) -> torch.Tensor:
+               tile: dict | None = None, split_target: int = SPLIT_TARGET_PROGRAMS) -> torch.Tensor:
     """out [M, groups * n] = x2d [M, groups * k] times each group's n rows of the weight, in the Triton kernel.
 
     xs: the fp32 scales of e4m3 activations x2d (quantized weights on the FP8 tensor cores); None: the weight
-    dequantized to dot_dtype, the activations rounded to it (after their FP8 QDQ in the kernel with qdq_x). `tile`/`split_target` override
+    dequantized to dot_dtype, the activations rounded to it. `tile`/`split_target` override
     the regime's tiling (benchmarks only: the decode tiling must stay a function of the weight's shape)."""
     m = x2d.shape[0]
     x_dtype = dot_dtype
@@ -144,7 +142,7 @@ def run_linear(x2d: torch.Tensor, xs: torch.Tensor | None, weight: torch.Tensor,
         x2d.stride(0), xs_arg.stride(0), weight.stride(0), 0 if scale is None else scale.stride(0), out.stride(0),
         BN=tile["BN"], BM=tile["BM"], BK=tile["BK"], WFMT=fmt, FP8_DOT=xs is not None,
         X_DTYPE=_TL_DTYPES[x_dtype], DOT_DTYPE=_TL_DTYPES[dot_dtype], IEEE=dot_dtype == torch.float32,
-        QDQ_X=qdq_x, num_warps=tile["num_warps"], num_stages=tile["num_stages"])
+        num_warps=tile["num_warps"], num_stages=tile["num_stages"])
     return out
 
 
@@ -179,7 +177,7 @@ def _quantized(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt: 
         q, xs = fp8_act_quant(rows)
         out = run_linear(q, xs, weight, scale, fmt, n, k, x.dtype, torch.float8_e4m3fn)
     else:
-        out = run_linear(rows, None, weight, scale, fmt, n, k, x.dtype, torch.bfloat16, qdq_x=True)
+        out = run_linear(fp8_act_qdq(rows, torch.bfloat16), None, weight, scale, fmt, n, k, x.dtype, torch.bfloat16)
     return out.view(*x.shape[:-1], n)
 
 

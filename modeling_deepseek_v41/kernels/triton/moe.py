@@ -17,7 +17,7 @@ import triton.language as tl
 from .common import (FMT_DENSE, FMT_FP4_ROW, FMT_FP8_ROW, abs_max, arrive_last, cast, dot_k_range,
                      pow2_ceil_scale, round_e4m3, sum_partials)
 from .linear import _TL_DTYPES, dot_dtype_for, launch_tile, split_buffers
-from .quant import fp8_act_quant
+from .quant import fp8_act_qdq, fp8_act_quant
 
 MOE_DECODE_MAX_TOKENS = 256
 MOE_DECODE_TILE = {"BN": 64, "BM": 16, "BK": 128, "num_warps": 4, "num_stages": 3}
@@ -76,7 +76,7 @@ def _moe_up_kernel(x_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, hs_ptr,
                    stride_hsm,
                    BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, WFMT: tl.constexpr, FP8_DOT: tl.constexpr,
                    X_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, ROUND_DTYPE: tl.constexpr, H_DTYPE: tl.constexpr,
-                   HAS_LIMIT: tl.constexpr, QDQ_OUT: tl.constexpr, IEEE: tl.constexpr, QDQ_X: tl.constexpr):
+                   HAS_LIMIT: tl.constexpr, QDQ_OUT: tl.constexpr, IEEE: tl.constexpr):
     """h[sorted row, n] for one block of rows of one expert and one split of K: both projections from one read of
     the activations; with splits, the last program of the tile sums the partials and applies the SwiGLU."""
     b = tl.program_id(0)
@@ -89,12 +89,10 @@ def _moe_up_kernel(x_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, hs_ptr,
         k_stop = tl.minimum(k_start + k_chunk, K)
         gate = dot_k_range(tl.full([BN, BM], 0.0, tl.float32), w1_ptr + expert * stride_we,
                            s1_ptr + expert * stride_se, x_ptr, xs_ptr, offs_n, tokens, mask, k_start, k_stop, N, K,
-                           stride_wn, stride_sn, stride_xm, stride_xsm, BK, WFMT, FP8_DOT, X_DTYPE, DOT_DTYPE, IEEE,
-                           QDQ_X)
+                           stride_wn, stride_sn, stride_xm, stride_xsm, BK, WFMT, FP8_DOT, X_DTYPE, DOT_DTYPE, IEEE)
         up = dot_k_range(tl.full([BN, BM], 0.0, tl.float32), w3_ptr + expert * stride_we,
                          s3_ptr + expert * stride_se, x_ptr, xs_ptr, offs_n, tokens, mask, k_start, k_stop, N, K,
-                         stride_wn, stride_sn, stride_xm, stride_xsm, BK, WFMT, FP8_DOT, X_DTYPE, DOT_DTYPE, IEEE,
-                         QDQ_X)
+                         stride_wn, stride_sn, stride_xm, stride_xsm, BK, WFMT, FP8_DOT, X_DTYPE, DOT_DTYPE, IEEE)
         if splits == 1:
             _swiglu_store(gate, up, route_ptr, h_ptr, hs_ptr, sorted_rows, mask, pair, offs_n, N, limit, stride_hm,
                           stride_hsm, BN, BM, ROUND_DTYPE, H_DTYPE, HAS_LIMIT, QDQ_OUT, FP8_DOT)
@@ -128,8 +126,7 @@ def _moe_down_kernel(h_ptr, hs_ptr, w2_ptr, s2_ptr, c_ptr, pair_ptr, block_exper
         k_stop = tl.minimum(k_start + k_chunk, K)
         acc = dot_k_range(tl.full([BN, BM], 0.0, tl.float32), w2_ptr + expert * stride_we,
                           s2_ptr + expert * stride_se, h_ptr, hs_ptr, offs_n, sorted_rows, mask, k_start, k_stop, N,
-                          K, stride_wn, stride_sn, stride_hm, stride_hsm, BK, WFMT, FP8_DOT, X_DTYPE, DOT_DTYPE, IEEE,
-                          False)
+                          K, stride_wn, stride_sn, stride_hm, stride_hsm, BK, WFMT, FP8_DOT, X_DTYPE, DOT_DTYPE, IEEE)
         tile_mask = mask[None, :] & (offs_n[:, None] < N)
         ptrs = c_ptr + pair[None, :] * stride_cm + offs_n[:, None]
         if splits == 1:
@@ -228,7 +225,8 @@ def grouped_moe(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
     if fp8_dot:
         x, xs = fp8_act_quant(tokens)
         hs = torch.empty(pairs, inter // 32, dtype=torch.float32, device=tokens.device)
-    # quantized experts without FP8 dots: the tokens' FP8 QDQ happens in the up kernel
+    elif quantized:
+        x = fp8_act_qdq(tokens, torch.bfloat16)
     dot_dtype, round_dtype = (torch.bfloat16, act_dtype) if quantized else (w1.dtype, w1.dtype)
     # h is rounded to the activation dtype; once QDQ'd (quantized experts) it is exact in bf16
     h_dtype = torch.float8_e4m3fn if fp8_dot else torch.bfloat16 if quantized else act_dtype
@@ -249,7 +247,7 @@ def grouped_moe(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
         x, xs_arg, w1, s1_arg, w3, s3_arg, h, hs_arg, route, pair_of_row, block_expert, block_start, block_end,
         part, count, pairs, inter, d, k_chunk, splits, top_k, float(limit), x.stride(0), xs_arg.stride(0),
         w1.stride(0), w1.stride(1), s_e, s_n, h.stride(0), hs_arg.stride(0), H_DTYPE=_TL_DTYPES[act_dtype],
-        HAS_LIMIT=limit > 0, QDQ_OUT=quantized, QDQ_X=quantized and not fp8_dot, **dtypes)
+        HAS_LIMIT=limit > 0, QDQ_OUT=quantized, **dtypes)
     contributions = torch.empty(pairs, d, dtype=act_dtype, device=tokens.device)
     s2_arg, s_e, s_n = _scale_args(s2, w2)
     grid, part, count, k_chunk, splits = _split_launch(nb, d, inter, chunks["down"], tile, pairs, tokens.device)
