@@ -234,3 +234,30 @@ def test_the_compiled_attention_formulation_computes_the_blocked_softmax(dtype):
         out = _fused_sparse_attention(q, entries, valid, sink, 0.2)
     assert _rel(out, ref) <= (EXACT if dtype == torch.float64 else 4e-3)
     assert out[0, 0].abs().max() == 0
+
+
+@pytest.mark.skipif(CUDA, reason="the float64 model runs the fused ops in the interpreter")
+def test_static_decode_steps_with_the_fused_ops_equal_the_exact_steps(monkeypatch):
+    """A float64 model's static-cache decode steps through every fused op (mHC, RMSNorm, window entry, ring store,
+    stored attention, routing, SwiGLU; the interpreter runs them) give the exact path's logits to 1e-10."""
+    import copy
+    import sys
+
+    from model_factory import random_model
+    from modeling_deepseek_v41.cache import DeepseekV41Cache
+
+    model = random_model(dtype=torch.float64, seed=7)
+    ids = torch.randint(3, model.config.text_config.vocab_size, (2, 30), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        cache = DeepseekV41Cache(model.config)
+        model(ids[:, :27], cache=cache)
+        cache.make_static(31)
+        fused_cache = copy.deepcopy(cache)
+        exact = [model(ids[:, t:t + 1], cache=cache).logits for t in range(27, 29)]
+        for name in ("kernels.mhc", "kernels.sparse_attention", "kernels.expert_ops", "kernels.linear",
+                     "cache.kv_access"):
+            monkeypatch.setattr(sys.modules[f"modeling_deepseek_v41.{name}"], "kernel_path",
+                                lambda x: not torch.is_grad_enabled() and x.numel() > 0)
+        fused = [model(ids[:, t:t + 1], cache=fused_cache).logits for t in range(27, 29)]
+    for got, ref in zip(fused, exact):
+        assert _rel(got, ref) <= EXACT

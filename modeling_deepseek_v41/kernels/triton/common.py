@@ -68,10 +68,14 @@ def reduce_max(x, axis: tl.constexpr):
     return tl.reduce(x, axis, _MAX_COMBINE)
 
 
+# Triton's own sum combine where it exists: the interpreter reduces with it in one numpy call
+_SUM_COMBINE = getattr(tl.standard, "_sum_combine", _add)
+
+
 @triton.jit
 def reduce_sum(x, axis: tl.constexpr):
     """sum along `axis` (tl.reduce: see abs_max)."""
-    return tl.reduce(x, axis, _add)
+    return tl.reduce(x, axis, _SUM_COMBINE)
 
 
 @triton.jit
