@@ -1,5 +1,5 @@
 """transformers conventions of the model classes (issue 17), each as the user's command with its result checked:
-the base model and head, the hub names on disk, resizing, a model built from a config, the forward options."""
+the base model and head, the tensor names on disk, resizing, a model built from a config, the forward options."""
 
 from __future__ import annotations
 
@@ -55,14 +55,17 @@ def test_automodel_loads_the_hub_checkpoint_as_the_base_model(bf16_model, ids):
         assert torch.equal(bf16_model.lm_head(out.last_hidden_state), bf16_model(ids, use_cache=False).logits)
 
 
-def test_hub_names_stay_on_disk_and_save_pretrained_round_trips(tmp_path, ids):
+def test_save_pretrained_writes_the_state_dict_names_and_the_hub_names_on_request(tmp_path, ids):
     model = AutoModelForCausalLM.from_pretrained(CHECKPOINT)
-    model.save_pretrained(tmp_path)
-    assert stored_names(tmp_path) == stored_names(CHECKPOINT) | {"engram_token_map"}
-    reloaded, info = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"]
-    with torch.no_grad():
-        assert torch.equal(reloaded(ids).logits, model(ids).logits)
+    model.save_pretrained(tmp_path / "native")
+    assert stored_names(tmp_path / "native") == set(model.state_dict())
+    model.save_pretrained(tmp_path / "hub", save_original_format=True)
+    assert stored_names(tmp_path / "hub") == stored_names(CHECKPOINT) | {"engram_token_map"}
+    for folder in ("native", "hub"):
+        reloaded, info = AutoModelForCausalLM.from_pretrained(tmp_path / folder, output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"]
+        with torch.no_grad():
+            assert torch.equal(reloaded(ids).logits, model(ids).logits)
 
 
 def test_hidden_states_are_the_documented_stream_means(bf16_model, ids):

@@ -44,6 +44,20 @@ def hub_name(name: str) -> str:
     return name.removeprefix("model.")
 
 
+def module_name(name: str) -> str:
+    """DeepseekV41ForCausalLM's state-dict name of a tensor named as on the hub (module names are kept)."""
+    return re.sub(r"^head\.", "lm_head.", re.sub(rf"^{_BASE_MODEL_TENSORS}(?=\.|$)", r"model.\1", name))
+
+
+def accept_hub_names(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
+    """load_state_dict pre-hook of DeepseekV41ForCausalLM: a state dict in the hub's names (the released files,
+    `save_pretrained(save_original_format=True)`, checkpoints of earlier releases) loads under the module names."""
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        renamed = prefix + module_name(key[len(prefix):])
+        if renamed != key:
+            state_dict[renamed] = state_dict.pop(key)
+
+
 HUB_KWARGS = ("revision", "cache_dir", "token", "local_files_only", "subfolder")
 _AUTO_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 _EXPERT_KEY = re.compile(r"^(.*\.experts\.\d+)\.")
@@ -130,8 +144,11 @@ def attach_engram_tables(model: nn.Module, pretrained_model_name_or_path, hub_kw
     if not tables:
         return
     folder = local_folder(pretrained_model_name_or_path, hub_kwargs)
+    module_names = saved_with_module_names(folder)
     for name, table in tables:
-        table.attach(ExternalTable.from_checkpoint(folder, hub_name(name), table.quantized, table.storage))
+        full = name if model.base_model is not model else f"{model.base_model_prefix}.{name}"
+        stored = full if module_names else hub_name(full)
+        table.attach(ExternalTable.from_checkpoint(folder, stored, table.quantized, table.storage))
 
 
 def spread_over_devices(model: nn.Module) -> None:

@@ -12,6 +12,7 @@ from transformers.utils.generic import can_return_tuple
 from ..cache.cache import DeepseekV41Cache
 from ..config.configuration_deepseek_v41 import DeepseekV41Config
 from ..kernels.linear import DeepseekV41Linear
+from ..loading.loader import accept_hub_names
 from .backbone import DeepseekV41Model
 from .generation import DeepseekV41GenerationMixin
 from .pretrained import DeepseekV41PreTrainedModel
@@ -30,9 +31,10 @@ class DeepseekV41CausalLMOutput(MoeCausalLMOutputWithPast):
 
 class DeepseekV41ForCausalLM(DeepseekV41GenerationMixin, DeepseekV41PreTrainedModel):
     """`DeepseekV41Model` (`model`: embeddings, blocks, norm, DSpark drafter blocks, vision tower) and the output
-    head (`lm_head`). On disk the tensors keep the hub checkpoint's flat names (`embed.weight`, `layers.N...`,
-    `head.weight`, `mtp.N...`): the checkpoint conversion mapping registered for this class renames them on load
-    and back on `save_pretrained`."""
+    head (`lm_head`). The released checkpoint names its tensors flat (`embed.weight`, `layers.N...`, `head.weight`,
+    `mtp.N...`): the checkpoint conversion mapping registered for this class renames them on load, and
+    `save_pretrained(save_original_format=True)` writes them so; by default `save_pretrained` writes the module
+    names of `state_dict()`."""
 
     _tp_plan = {"lm_head": "deepseek_v41_vocab_rows"}
 
@@ -41,6 +43,7 @@ class DeepseekV41ForCausalLM(DeepseekV41GenerationMixin, DeepseekV41PreTrainedMo
         text = config.text_config
         self.model = DeepseekV41Model(config)
         self.lm_head = DeepseekV41Linear(text.hidden_size, text.vocab_size, dtype=torch.float32)
+        self.register_load_state_dict_pre_hook(accept_hub_names)  # the released files' names load too
         self.post_init()
 
     @property

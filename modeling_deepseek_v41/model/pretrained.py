@@ -158,9 +158,12 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
         if elsewhere:
             loading_info.unexpected_keys = {k for k in loading_info.unexpected_keys if k not in elsewhere}
 
-    def save_pretrained(self, *args, **kwargs):
+    def save_pretrained(self, save_directory, *args, save_original_format: bool = False, **kwargs):
+        """transformers' save_pretrained, with the tensors named as in `state_dict()` by default: every loader
+        (from_pretrained, Trainer's resume, accelerate's load_checkpoint_and_dispatch, load_state_dict) then reads
+        them back as they are. `save_original_format=True` writes the hub's names (`embed.weight`, `head.weight`)."""
         loader.check_savable(self)
-        return super().save_pretrained(*args, **kwargs)
+        return super().save_pretrained(save_directory, *args, save_original_format=save_original_format, **kwargs)
 
     def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
         return logical_num_parameters(self, only_trainable, exclude_embeddings)
