@@ -69,28 +69,14 @@ class DeepseekV41ForCausalLM(DeepseekV41GenerationMixin, DeepseekV41PreTrainedMo
 
     def resize_token_embeddings(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
                                 mean_resizing: bool = True) -> nn.Embedding:
-        """transformers' resizing of the embedding and the head (bf16 weight mode), and of the DSpark drafter's Markov
-        tables. Added tokens get placeholder Engram ids (token id modulo the compressed vocabulary) until
-        `build_engram_token_map(tokenizer)`."""
-        if self.quantized:
-            raise ValueError(
-                "resize_token_embeddings needs the bf16 weight mode: this model holds the checkpoint's FP8/FP4 "
-                "weights, which are for inference and cannot be trained, and new token rows must be trained. Load it "
-                "with from_pretrained(..., weight_mode=\"bf16\") (or call model.dequantize_weights()) first."
-            )
-        old_vocab = self.config.text_config.vocab_size
+        """The base model's resizing (embedding, head, Engram token map), and of the DSpark drafter's Markov
+        tables."""
         embeddings = super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
         vocab = embeddings.weight.shape[0]
         if self.has_dspark:  # the drafter's bigram bias is indexed by the previous token and scores every token
             markov = self.model.mtp[-1].markov_head
             markov.embed = self._get_resized_embeddings(markov.embed, vocab, mean_resizing=mean_resizing)
             markov.head = self._get_resized_lm_head(markov.head, vocab, mean_resizing=mean_resizing)
-        base = self.model
-        if hasattr(base, "engram_token_map"):
-            token_map = base.engram_token_map
-            added = torch.arange(old_vocab, max(vocab, old_vocab), device=token_map.device)
-            extended = torch.cat([token_map, added % self.config.text_config.engram_compressed_vocab_size])[:vocab]
-            base.register_buffer("engram_token_map", extended.contiguous())
         return embeddings
 
     def _get_resized_lm_head(self, old_lm_head: DeepseekV41Linear, new_num_tokens: int | None = None,
