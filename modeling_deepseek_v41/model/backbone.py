@@ -27,7 +27,7 @@ from ..layers.hyper_connections import hc_collapse, initial_streams
 from ..layers.rotary import DeepseekV41Rotary
 from ..layers.vision import DeepseekV41VisionAligner, DeepseekV41VisionTower, embed_images, merge_image_embeddings
 from ..loading.loader import compressed_token_map
-from .inputs import check_forward_inputs
+from .inputs import cache_in_use, check_forward_inputs
 from .pretrained import DeepseekV41PreTrainedModel
 
 
@@ -220,10 +220,10 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         """The token ids a forward runs on (zeros standing in for them with `inputs_embeds` alone, where nothing
         reads them) and whether it uses a cache (`use_cache=None` follows the config, and is off for a training forward
         that records gradients: the cache keeps packed FP4/FP8 bytes that carry none, and a recomputed checkpoint
-        would find them written)."""
+        would find them written; never under torch.export: `cache_in_use`)."""
         if input_ids is not None:
             default = self.config.text_config.use_cache and not (self.training and torch.is_grad_enabled())
-            return input_ids, use_cache if use_cache is not None else default
+            return input_ids, cache_in_use(use_cache, default, cache)
         if inputs_embeds is None:
             raise ValueError("Pass input_ids (or inputs_embeds, for a config without Engram layers).")
         if self.plan.engram_layers:
