@@ -223,8 +223,8 @@ def checkpoint_has_prefix(folder: str | os.PathLike, prefix: str | tuple[str, ..
 
 
 def saved_with_module_names(folder: str | os.PathLike) -> bool:
-    """Whether a local folder was saved with the module names (`save_pretrained(save_original_format=False)`: a
-    `model.` prefix and `lm_head.`) rather than the hub's."""
+    """Whether a local folder holds the module names (what save_pretrained writes by default: a `model.` prefix and
+    `lm_head.`) rather than the hub's."""
     return checkpoint_has_prefix(folder, ("model.", "lm_head."))
 
 
