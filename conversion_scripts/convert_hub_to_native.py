@@ -46,6 +46,7 @@ def engram_token_map(src: Path, config) -> torch.Tensor:
 
 def build_groups(src: Path, config, weight_mode: str, keep_hub_scales: bool, chunk_bytes: int) -> list[OutputGroup]:
     """Output groups in source order; validates the source first (raises CheckpointError, naming the problem)."""
+    from modeling_deepseek_v41.loading.loader import hub_name
     from modeling_deepseek_v41.model.checkpoint import expected_tensors
 
     if config.checkpoint_quantization is None:
@@ -55,21 +56,22 @@ def build_groups(src: Path, config, weight_mode: str, keep_hub_scales: bool, chu
     kinds = quantized_weight_kinds(config) if weight_mode == "bf16" else {}
     first_shard = source_files(sources)[0].name
     groups = []
-    for name, (shape, dtype) in expected_tensors(native, hub_layout=False).items():
+    for name, (shape, dtype) in expected_tensors(native, hub_layout=False).items():  # the model's names
+        hub = hub_name(name)
         planned = [PlannedTensor(name, shape, dtype)]
-        if name == "engram_token_map":
+        if hub == "engram_token_map":
             pieces = [(name, 0, engram_token_map(src, config))]
             groups.append(OutputGroup(planned, partial(iter, pieces), first_shard))
-        elif name in kinds:
-            weight, scale = sources[name], sources[scale_name(name)]
-            produce = partial(dequantize, kinds[name], weight, scale, name, dtype, chunk_bytes)
+        elif hub in kinds:
+            weight, scale = sources[hub], sources[scale_name(hub)]
+            produce = partial(dequantize, kinds[hub], weight, scale, name, dtype, chunk_bytes)
             groups.append(OutputGroup(planned, produce, weight.path.name))
-            if keep_hub_scales:
-                kept = [PlannedTensor(scale_name(name), scale.shape, scale.dtype)]
-                produce = partial(copy_cast, scale, scale_name(name), scale.dtype, chunk_bytes)
+            if keep_hub_scales:  # the hub's own scales, under the hub's names
+                kept = [PlannedTensor(scale_name(hub), scale.shape, scale.dtype)]
+                produce = partial(copy_cast, scale, scale_name(hub), scale.dtype, chunk_bytes)
                 groups.append(OutputGroup(kept, produce, scale.path.name, SIDECAR_PREFIX))
         else:
-            source = sources[name]
+            source = sources[hub]
             produce = partial(copy_cast, source, name, dtype, chunk_bytes)
             groups.append(OutputGroup(planned, produce, source.path.name))
     order = {path.name: i for i, path in enumerate(source_files(sources))}

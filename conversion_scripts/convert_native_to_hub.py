@@ -47,9 +47,11 @@ def hub_scale_priors(src: Path, expected: dict) -> dict[str, TensorSource]:
 
 def build_groups(src: Path, config, chunk_bytes: int, keep_non_finite: bool = False) -> list[OutputGroup]:
     """Output groups in source order; validates the source first (raises CheckpointError, naming the problem)."""
+    from modeling_deepseek_v41.loading.loader import hub_name
     from modeling_deepseek_v41.model.checkpoint import expected_tensors
 
-    sources = inspect_source(src, config, hub_layout=False)
+    # named as in the model's state dict (save_pretrained) or, by earlier releases, as on the hub
+    sources = {hub_name(name): source for name, source in inspect_source(src, config, hub_layout=False).items()}
     hub = with_weight_mode(config, "quantized")
     expected = expected_tensors(hub, hub_layout=True)
     native_quantized = config.checkpoint_quantization is not None

@@ -3,8 +3,10 @@ each layout, the source checks, and the non-weight files that travel with the we
 
 - hub layout: the released checkpoint as shipped (FP8/FP4 weights with `.scale`, fp32-held tensors stored bf16,
   no `engram_token_map`), config.json with `quantization_config`.
-- native layout: what `DeepseekV41ForCausalLM.save_pretrained` writes (every tensor in the dtype the model holds
-  it, `engram_token_map` included), either dense bf16 (`weight_mode` "bf16") or with the FP8/FP4 bytes kept.
+- native layout: what `DeepseekV41ForCausalLM.save_pretrained` writes (the names of the model's state dict,
+  `model.layers.3.attn.wq_a.weight` and `lm_head.weight`; every tensor in the dtype the model holds it,
+  `model.engram_token_map` included), either dense bf16 (`weight_mode` "bf16") or with the FP8/FP4 bytes kept.
+  Native folders of earlier releases, with the hub's names, are read too.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelF
 
 from .config.configuration_deepseek_v41 import DeepseekV41Config, DeepseekV41TextConfig, DeepseekV41VisionConfig
 from .config.layer_plan import LayerPlan, LayerSpec
+from .loading.checkpoint_layout import check_local_paths_first
 from .loading.loader import register_hub_names
 from .model.backbone import DeepseekV41Model, DeepseekV41ModelOutput
 from .model.causal_lm import DeepseekV41ForCausalLM
@@ -15,8 +16,10 @@ def _register() -> None:
         AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
     AutoModel.register(DeepseekV41Config, DeepseekV41Model, exist_ok=True)
     AutoModelForCausalLM.register(DeepseekV41Config, DeepseekV41ForCausalLM, exist_ok=True)
-    register_hub_names(DeepseekV41ForCausalLM.__name__)  # the hub's flat tensor names stay on disk
+    register_hub_names(DeepseekV41ForCausalLM.__name__)  # the released checkpoint's flat tensor names load
     AutoModelForImageTextToText.register(DeepseekV41Config, DeepseekV41ForCausalLM, exist_ok=True)
+    for auto_class in (AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText):
+        check_local_paths_first(auto_class)  # a missing folder or a file is named so, not as a bad repo id
     try:  # the processors live in the sibling `processing` package, absent from a remote-code checkpoint
         from processing import register_processing
     except ImportError:

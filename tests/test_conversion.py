@@ -100,8 +100,6 @@ def test_round_trip_without_hub_scales_is_value_exact(tmp_path):
 def test_native_layout_matches_save_pretrained(converted):
     from transformers import AutoModelForCausalLM
 
-    from modeling_deepseek_v41.loading.loader import hub_name
-
     for which, mode in (("native_bf16", "bf16"), ("native_quantized", "quantized")):
         folder = converted[which]
         config = json.loads((folder / "config.json").read_text())
@@ -111,7 +109,7 @@ def test_native_layout_matches_save_pretrained(converted):
         model, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
         assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
         stored = read_folder(folder)
-        state = {hub_name(name): tensor for name, tensor in model.state_dict().items()}  # save_pretrained's names
+        state = model.state_dict()  # save_pretrained writes the state dict's names
         assert set(stored) == set(state)
         assert all(same_bytes(stored[n], state[n]) for n in stored)
 
@@ -242,11 +240,12 @@ def test_changed_weights_get_fresh_scales_only_where_changed(tmp_path):
 
     native = convert_hub_to_native(FIXTURE, tmp_path / "native", "bf16", progress=False)
     name = "layers.0.attn.wq_a.weight"
-    shard = native / json.loads((native / "model.safetensors.index.json").read_text())["weight_map"][name]
+    stored = "model." + name  # the native layout's (the model's) name
+    shard = native / json.loads((native / "model.safetensors.index.json").read_text())["weight_map"][stored]
     tensors = load_file(shard)
-    changed = tensors[name].clone()
+    changed = tensors[stored].clone()
     changed[:32, :32] = (changed[:32, :32].float() * 1.37 + 0.001).to(torch.bfloat16)
-    tensors[name] = changed
+    tensors[stored] = changed
     save_file(tensors, shard, metadata={"format": "pt"})
     back = read_folder(convert_native_to_hub(native, tmp_path / "hub", progress=False))
     original = read_folder(FIXTURE)

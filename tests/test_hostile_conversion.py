@@ -129,11 +129,11 @@ def assert_nothing_reusable_half_written(dst: Path) -> None:
     assert all(file_digest(work / name) == digest for name, digest in digests.items())
 
 
-@pytest.mark.parametrize("name, value, weight_mode, refused", [
-    ("layers.4.attn.compressor.norm.weight", BF16_NAN, "quantized", "layers.4.attn.compressor.norm.weight"),
-    ("layers.4.attn.compressor.norm.weight", BF16_INF, "bf16", "layers.4.attn.compressor.norm.weight"),
-    ("layers.4.attn.wkv.scale", E8M0_NAN, "quantized", "layers.4.attn.wkv.scale"),
-    ("layers.4.attn.wkv.scale", E8M0_NAN, "bf16", "layers.4.attn.wkv.weight"),  # dequantized to NaN
+@pytest.mark.parametrize("name, value, weight_mode, refused", [  # refused: the native (the model's) name
+    ("layers.4.attn.compressor.norm.weight", BF16_NAN, "quantized", "model.layers.4.attn.compressor.norm.weight"),
+    ("layers.4.attn.compressor.norm.weight", BF16_INF, "bf16", "model.layers.4.attn.compressor.norm.weight"),
+    ("layers.4.attn.wkv.scale", E8M0_NAN, "quantized", "model.layers.4.attn.wkv.scale"),
+    ("layers.4.attn.wkv.scale", E8M0_NAN, "bf16", "model.layers.4.attn.wkv.weight"),  # dequantized to NaN
 ])
 def test_non_finite_hub_values_are_refused_unless_kept(tmp_path, capsys, name, value, weight_mode, refused):
     src = hub_copy(tmp_path)
@@ -163,7 +163,7 @@ def test_non_finite_bf16_weight_is_not_quantized_unless_kept(tmp_path, capsys, n
     src = tmp_path / "native"
     shutil.copytree(native_bf16, src)
     name = "layers.0.attn.wq_a.weight"
-    poke(src, name, value, element=5)
+    poke(src, "model." + name, value, element=5)  # the native folder holds the model's names
     dst = tmp_path / "hub"
     with pytest.raises(NonFiniteWeightError, match=f"tensor {name} has 1 non-finite .* row 0"):
         convert_native_to_hub(src, dst, progress=False)

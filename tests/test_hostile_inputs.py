@@ -190,6 +190,20 @@ def test_a_file_or_a_missing_folder_is_not_sent_to_the_hub(tmp_path):
         DeepseekV41ForCausalLM.from_pretrained(tmp_path / "no" / "such" / "folder")
 
 
+@pytest.mark.parametrize("auto_name", ["AutoModelForCausalLM", "AutoModel", "AutoModelForImageTextToText"])
+def test_the_auto_classes_name_a_file_or_a_missing_folder_too(tmp_path, auto_name):
+    """transformers resolves the config before any model code runs: the Auto classes would call these an invalid
+    hub repository id."""
+    import transformers
+
+    auto_class = getattr(transformers, auto_name)
+    with pytest.raises(ValueError, match="is a file; from_pretrained needs the checkpoint folder"):
+        auto_class.from_pretrained(CHECKPOINT / "config.json")
+    for missing in (tmp_path / "no" / "such" / "folder", "./no-such-folder", "no/such/folder"):
+        with pytest.raises(ValueError, match="checkpoint folder .* does not exist"):
+            auto_class.from_pretrained(missing)
+
+
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu, torch.bfloat16,
                                    torch.float16, torch.float32])
 def test_the_finiteness_check_agrees_with_isfinite_on_every_code(dtype):

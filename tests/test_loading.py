@@ -10,7 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-import modeling_deepseek_v41  # noqa: F401
+import modeling_deepseek_v41
+from modeling_deepseek_v41 import DeepseekV41ForCausalLM
 from reference_cases import FIXTURES, load_case
 
 CHECKPOINT = FIXTURES / "tiny-text" / "checkpoint"
@@ -68,6 +69,47 @@ def test_save_pretrained_round_trip_keeps_logits(tmp_path):
     ids = load_case(str(FIXTURES / "tiny-text")).inputs["input_ids"][:, :40]
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, model(ids).logits)
+
+
+def _stored(folder) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for shard in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(shard))
+    return tensors
+
+
+def test_load_state_dict_takes_the_saved_folder_and_the_hub_names(tmp_path):
+    """save_pretrained writes the names of state_dict(), so a plain load_state_dict reads the file (as Trainer's
+    resume does); a state dict in the hub's names (the released files) loads too, all but the token map it lacks."""
+    model = AutoModelForCausalLM.from_pretrained(CHECKPOINT)
+    model.save_pretrained(tmp_path)
+    saved, expected = _stored(tmp_path), model.state_dict()
+    assert set(saved) == set(expected)
+    for state_dict, missing in ((saved, set()), (_stored(CHECKPOINT), {"model.engram_token_map"})):
+        fresh = DeepseekV41ForCausalLM(model.config)
+        result = fresh.load_state_dict(state_dict, strict=False)
+        assert set(result.missing_keys) == missing and not result.unexpected_keys
+        loaded = fresh.state_dict()
+        assert all(torch.equal(loaded[n].view(torch.uint8), expected[n].view(torch.uint8))
+                   for n in expected if n not in missing)
+
+
+@pytest.mark.parametrize("weight_mode", ["quantized", "bf16"])
+def test_accelerate_loads_a_save_pretrained_folder_into_empty_weights(tmp_path, weight_mode):
+    """accelerate's big-model path (a model built on the meta device, then load_checkpoint_and_dispatch) matches
+    the folder's tensors to the model's by name: it gives from_pretrained's logits."""
+    from accelerate import init_empty_weights, load_checkpoint_and_dispatch
+    from transformers import AutoConfig
+
+    reference = AutoModelForCausalLM.from_pretrained(CHECKPOINT, weight_mode=weight_mode)
+    reference.save_pretrained(tmp_path)
+    with init_empty_weights():
+        empty = DeepseekV41ForCausalLM(AutoConfig.from_pretrained(tmp_path))
+    model = load_checkpoint_and_dispatch(empty, str(tmp_path), device_map="auto",
+                                         no_split_module_classes=empty._no_split_modules)
+    ids = load_case(str(FIXTURES / "tiny-text")).inputs["input_ids"][:, :40]
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reference(ids).logits)
 
 
 def test_module_named_save_keeps_the_drafter(tmp_path):

@@ -1,10 +1,9 @@
 """transformers conventions of the model classes (issue 17), each as the user's command with its result checked:
-the base model and head, the hub names on disk, resizing, a model built from a config, the forward options."""
+the base model and head, the tensor names on disk, resizing, a model built from a config, the forward options."""
 
 from __future__ import annotations
 
 import json
-import logging
 
 import pytest
 import torch
@@ -55,14 +54,17 @@ def test_automodel_loads_the_hub_checkpoint_as_the_base_model(bf16_model, ids):
         assert torch.equal(bf16_model.lm_head(out.last_hidden_state), bf16_model(ids, use_cache=False).logits)
 
 
-def test_hub_names_stay_on_disk_and_save_pretrained_round_trips(tmp_path, ids):
+def test_save_pretrained_writes_the_state_dict_names_and_the_hub_names_on_request(tmp_path, ids):
     model = AutoModelForCausalLM.from_pretrained(CHECKPOINT)
-    model.save_pretrained(tmp_path)
-    assert stored_names(tmp_path) == stored_names(CHECKPOINT) | {"engram_token_map"}
-    reloaded, info = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"]
-    with torch.no_grad():
-        assert torch.equal(reloaded(ids).logits, model(ids).logits)
+    model.save_pretrained(tmp_path / "native")
+    assert stored_names(tmp_path / "native") == set(model.state_dict())
+    model.save_pretrained(tmp_path / "hub", save_original_format=True)
+    assert stored_names(tmp_path / "hub") == stored_names(CHECKPOINT) | {"engram_token_map"}
+    for folder in ("native", "hub"):
+        reloaded, info = AutoModelForCausalLM.from_pretrained(tmp_path / folder, output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"]
+        with torch.no_grad():
+            assert torch.equal(reloaded(ids).logits, model(ids).logits)
 
 
 def test_hidden_states_are_the_documented_stream_means(bf16_model, ids):
@@ -118,23 +120,33 @@ def test_resize_token_embeddings_refuses_quantized_weights():
         model.resize_token_embeddings(520)
 
 
-def test_direct_construction_names_the_ways_to_a_token_map(ids):
-    model = DeepseekV41ForCausalLM(tiny_config())
-    with pytest.raises(RuntimeError, match=r"build_engram_token_map\(tokenizer\).*from_config"):
-        model(ids)
-
-
-def test_from_config_runs_with_a_placeholder_token_map_and_warns(caplog, tmp_path, ids):
-    with caplog.at_level(logging.WARNING):
-        model = AutoModelForCausalLM.from_config(tiny_config())
-    assert "placeholder" in caplog.text
-    token_map = model.model.engram_token_map
-    assert torch.equal(token_map, torch.arange(token_map.numel()) % model.config.text_config.engram_compressed_vocab_size)
-    logits = model(ids).logits
+@pytest.mark.parametrize("model_class", [DeepseekV41ForCausalLM, DeepseekV41Model])
+def test_a_model_built_from_its_config_runs_and_reloads_without_a_tokenizer(tmp_path, ids, model_class):
+    """model_class(config), as transformers' common tests and training from scratch build it: the Engram token map
+    has its deterministic default (id modulo the compressed vocabulary), is saved with the weights and reloaded."""
+    config = tiny_config()
+    model = model_class(config).eval()
+    token_map = model.base_model.engram_token_map
+    assert torch.equal(token_map, torch.arange(token_map.numel()) % config.text_config.engram_compressed_vocab_size)
+    assert torch.equal(AutoModel.from_config(config).engram_token_map, token_map)
+    with torch.no_grad():
+        out = model(ids, use_cache=False)[0]
     model.save_pretrained(tmp_path)  # no tokenizer files: the saved map makes the folder loadable
     assert not (tmp_path / "tokenizer.json").exists()
-    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
-    assert torch.equal(reloaded(ids).logits, logits)
+    reloaded = model_class.from_pretrained(tmp_path).eval()
+    assert torch.equal(reloaded.base_model.engram_token_map, token_map)
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids, use_cache=False)[0], out)
+
+
+def test_the_base_model_resizes_its_token_map_with_its_embeddings(ids):
+    base = AutoModel.from_pretrained(CHECKPOINT, weight_mode="bf16")
+    built = base.engram_token_map.clone()
+    base.resize_token_embeddings(520)
+    assert torch.equal(base.engram_token_map[:512], built)  # the tokenizer's map is kept
+    assert torch.equal(base.engram_token_map[512:], torch.arange(512, 520) % 420)
+    out = base(torch.cat([ids, torch.tensor([[515], [519]])], dim=1), use_cache=False)
+    assert out.last_hidden_state.shape[1] == ids.shape[1] + 1
 
 
 def test_hub_checkpoint_without_map_or_tokenizer_says_it_needs_the_tokenizer(tmp_path):

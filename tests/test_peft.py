@@ -73,7 +73,7 @@ def test_checkpoint_tensor_names_are_unchanged():
     model = _load()
     index = json.loads((CHECKPOINT / "model.safetensors.index.json").read_text())
     stored = set(index["weight_map"])
-    on_disk = {hub_name(n) for n in model.state_dict()}  # what save_pretrained writes
+    on_disk = {hub_name(n) for n in model.state_dict()}  # what save_pretrained(save_original_format=True) writes
     assert {n for n in stored if ".attn.wo_a." in n} <= on_disk
     assert not {n for n in on_disk if n.endswith(".bias") and n not in stored}
 

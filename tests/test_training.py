@@ -228,6 +228,36 @@ def test_trainer_runs_on_text_and_images(tmp_path):
     assert result.global_step == 2 and result.training_loss > 0
 
 
+def test_trainer_resume_continues_the_uninterrupted_run(tmp_path):
+    """Full fine-tuning resumed from checkpoint-3 reloads the trained weights (the checkpoint holds the model's own
+    tensor names) and repeats the uninterrupted run's losses."""
+    from safetensors import safe_open
+    from transformers import Trainer, TrainingArguments
+
+    from model_factory import schedule_config
+
+    config = schedule_config(dict(  # two layers with an Engram table, no drafter: a few seconds per run
+        num_hidden_layers=2, compress_ratios=[2, 1], kv_source_layer_ids=[0, 1], index_source_layer_ids=[0, 1],
+        candidate_source_layer_id=1, engram_layer_ids=[1], dspark_target_layer_ids=[], num_nextn_predict_layers=0))
+    generator = torch.Generator().manual_seed(0)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(3, 500, (12, 16), generator=generator)]
+
+    def run(resume: str | None = None) -> list[float]:
+        model = random_model(config, dtype=torch.float32).train()
+        args = TrainingArguments(output_dir=str(tmp_path), max_steps=6, save_steps=3, logging_steps=1,
+                                 per_device_train_batch_size=2, learning_rate=1e-3, use_cpu=True, report_to="none",
+                                 disable_tqdm=True, seed=0)
+        trainer = Trainer(model=model, args=args, train_dataset=data)
+        trainer.train(resume_from_checkpoint=resume)
+        return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+    uninterrupted = run()
+    with safe_open(str(tmp_path / "checkpoint-3" / "model.safetensors"), "pt") as saved:
+        assert set(saved.keys()) == set(random_model(config).state_dict())
+    resumed = run(resume=str(tmp_path / "checkpoint-3"))
+    assert len(uninterrupted) == len(resumed) == 6 and resumed[3:] == uninterrupted[3:]
+
+
 def test_vision_warmup_trains_the_models_own_tower(tmp_path):
     from transformers import TrainingArguments
 

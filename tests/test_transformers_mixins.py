@@ -1,9 +1,11 @@
 """transformers 5.24.0's common model and config test mixins (`ModelTesterMixin`, `ConfigTester`), fetched from its
 source distribution by `transformers_tests.py`, run against a tiny random DeepSeek-V4.1: two layers (a ratio-2 pool
-in the encoder half, a ratio-1 pool with candidate blocks in the decoder half), no Engram layers and no drafter, so
-that `inputs_embeds` alone and the generic resize checks apply. Tests that do not apply are listed, each with its
-reason, in `transformers_tests.SKIPPED["ModelTesterMixin"]`; the mixins skip others by their own conditions
-(accelerator, flash/SDPA kernels, DeepSpeed, attention maps), with the reason `pytest -rs` prints."""
+in the encoder half, a ratio-1 pool with candidate blocks in the decoder half) and no drafter, once without Engram
+layers (so that `inputs_embeds` alone applies) and once with an Engram layer, the models built by the mixins
+themselves (`model_class(config)`). Tests that do not apply are listed, each with its reason, in
+`transformers_tests.SKIPPED["ModelTesterMixin"]` (and `["ModelTesterMixin with Engram"]`); the mixins skip others by
+their own conditions (accelerator, flash/SDPA kernels, DeepSpeed, attention maps), with the reason `pytest -rs`
+prints."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import torch
 
 from transformers.models.auto import modeling_auto
 
-from model_factory import tiny_config
+from model_factory import schedule_config, tiny_config
 from modeling_deepseek_v41 import DeepseekV41Config, DeepseekV41ForCausalLM, DeepseekV41Model
 from modeling_deepseek_v41.config.configuration_deepseek_v41 import config_without_dspark
 from transformers_tests import load_transformers_tests, skip_inapplicable
@@ -79,3 +81,24 @@ class DeepseekV41ModelTest(modeling_common.ModelTesterMixin, unittest.TestCase):
 
     def test_config(self) -> None:
         self.config_tester.run_common_tests()
+
+
+class DeepseekV41EngramModelTester(DeepseekV41ModelTester):
+    """The same two-layer schedule with an Engram layer (hashed n-gram tables gated into the streams)."""
+
+    def get_config(self) -> DeepseekV41Config:
+        return config_without_dspark(schedule_config(dict(
+            num_hidden_layers=2, compress_ratios=[2, 1], kv_source_layer_ids=[0, 1], index_source_layer_ids=[0, 1],
+            candidate_source_layer_id=1, engram_layer_ids=[1], dspark_target_layer_ids=[],
+            num_nextn_predict_layers=0, n_routed_experts=4,
+            engram_compressed_vocab_size=16)))  # ConfigTester reloads the config with vocab_size=20
+
+
+@skip_inapplicable("ModelTesterMixin")
+@skip_inapplicable("ModelTesterMixin with Engram")
+class DeepseekV41EngramModelTest(DeepseekV41ModelTest):
+    """ModelTesterMixin on an Engram config: models built by the mixins as `model_class(config)`."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.model_tester = DeepseekV41EngramModelTester(self)

@@ -137,6 +137,12 @@ def engram_hash_ids(tokens: torch.Tensor, primes: torch.Tensor, offsets: torch.T
     return torch.cat(columns, dim=-1) + offsets
 
 
+def default_token_map(vocab_size: int, compressed_vocab_size: int, start: int = 0) -> torch.Tensor:
+    """The Engram token map of a model without a tokenizer (built from a config, to train from scratch), and the
+    entries of ids added by resizing: token id modulo the compressed vocabulary, for ids start .. vocab_size - 1."""
+    return torch.arange(start, vocab_size, dtype=torch.int64) % compressed_vocab_size
+
+
 def build_compressed_token_map(tokenizer) -> tuple[list[int], int]:
     """Each vocab id decoded alone and normalized; ids whose normalized text is equal share a compressed id.
 

@@ -7,6 +7,7 @@ reported by name before a single weight is loaded.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -68,6 +69,13 @@ def read_weight_map(index: Path) -> dict[str, str]:
     return weight_map
 
 
+def looks_local(path) -> bool:
+    """Whether a from_pretrained argument can only be a local path (a hub repository id is "name" or "org/name")."""
+    text = os.fspath(path)
+    return (not isinstance(path, str) or text.startswith((os.sep, ".", "~")) or text.count("/") > 1
+            or (os.altsep is not None and os.altsep in text))
+
+
 def check_checkpoint_path(path) -> None:
     """A local checkpoint path must be a folder: a file, or a local-looking path that does not exist, is refused
     here rather than being tried as a hub repository id. "org/name" ids that are not local folders go to the hub."""
@@ -77,12 +85,29 @@ def check_checkpoint_path(path) -> None:
     if local.is_file():
         raise ValueError(f"{path} is a file; from_pretrained needs the checkpoint folder that holds config.json "
                          f"and the .safetensors files (perhaps {local.parent}).")
-    text = os.fspath(path)
-    looks_local = (not isinstance(path, str) or text.startswith((os.sep, ".", "~")) or text.count("/") > 1
-                   or (os.altsep is not None and os.altsep in text))
-    if looks_local and not local.exists():
+    if looks_local(path) and not local.exists():
         raise ValueError(f"The checkpoint folder {path} does not exist; check the path (a hub repository id has "
                          "the form 'org/name').")
+
+
+def check_local_paths_first(auto_class) -> None:
+    """Make `auto_class.from_pretrained` (a transformers Auto model class) refuse, with check_checkpoint_path's
+    message, a local-looking path that does not exist or, without a `config`, is a file: transformers resolves the
+    config before any model code runs and reports such a path as an invalid hub repository id, though it can never
+    load. Every other call is passed on as it is."""
+    inner = auto_class.from_pretrained.__func__
+    if getattr(inner, "checks_local_paths", False):
+        return
+
+    @functools.wraps(inner)
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        path = pretrained_model_name_or_path
+        if isinstance(path, (str, os.PathLike)) and looks_local(path) and kwargs.get("config") is None:
+            check_checkpoint_path(path)
+        return inner(cls, pretrained_model_name_or_path, *args, **kwargs)
+
+    from_pretrained.checks_local_paths = True
+    auto_class.from_pretrained = classmethod(from_pretrained)
 
 
 def safetensors_header(path: str | os.PathLike) -> tuple[int, dict]:
@@ -198,8 +223,8 @@ def checkpoint_has_prefix(folder: str | os.PathLike, prefix: str | tuple[str, ..
 
 
 def saved_with_module_names(folder: str | os.PathLike) -> bool:
-    """Whether a local folder was saved with the module names (`save_pretrained(save_original_format=False)`: a
-    `model.` prefix and `lm_head.`) rather than the hub's."""
+    """Whether a local folder holds the module names (what save_pretrained writes by default: a `model.` prefix and
+    `lm_head.`) rather than the hub's."""
     return checkpoint_has_prefix(folder, ("model.", "lm_head."))
 
 

@@ -17,7 +17,7 @@ from transformers.utils import logging
 
 from ..layers.engram import DeepseekV41ExternalEngramTable
 from ..layers.engram_hashing import build_compressed_token_map
-from .checkpoint_layout import check_checkpoint_folder, saved_with_module_names
+from .checkpoint_layout import check_checkpoint_folder, checkpoint_has_prefix, saved_with_module_names
 from .device_map import check_device_map, deepseek_device_map, preload_submodules, return_to_input_device, spread_units
 from .engram_storage import ExternalTable
 from .tensor_parallel import RemoteExpert
@@ -44,6 +44,20 @@ def hub_name(name: str) -> str:
     return name.removeprefix("model.")
 
 
+def module_name(name: str) -> str:
+    """DeepseekV41ForCausalLM's state-dict name of a tensor named as on the hub (module names are kept)."""
+    return re.sub(r"^head\.", "lm_head.", re.sub(rf"^{_BASE_MODEL_TENSORS}(?=\.|$)", r"model.\1", name))
+
+
+def accept_hub_names(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
+    """load_state_dict pre-hook of DeepseekV41ForCausalLM: a state dict in the hub's names (the released files,
+    `save_pretrained(save_original_format=True)`, checkpoints of earlier releases) loads under the module names."""
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        renamed = prefix + module_name(key[len(prefix):])
+        if renamed != key:
+            state_dict[renamed] = state_dict.pop(key)
+
+
 HUB_KWARGS = ("revision", "cache_dir", "token", "local_files_only", "subfolder")
 _AUTO_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 _EXPERT_KEY = re.compile(r"^(.*\.experts\.\d+)\.")
@@ -57,7 +71,7 @@ def hub_kwargs_of(kwargs: dict) -> dict:
 def local_folder(path, hub_kwargs: dict) -> str:
     """The local folder of a checkpoint (downloaded by transformers already when it came from the hub)."""
     if os.path.isdir(path):
-        return str(path)
+        return os.path.join(path, hub_kwargs.get("subfolder") or "")
     from transformers.utils import cached_file
 
     for name in ("model.safetensors.index.json", "model.safetensors"):
@@ -130,8 +144,11 @@ def attach_engram_tables(model: nn.Module, pretrained_model_name_or_path, hub_kw
     if not tables:
         return
     folder = local_folder(pretrained_model_name_or_path, hub_kwargs)
+    module_names = saved_with_module_names(folder)
     for name, table in tables:
-        table.attach(ExternalTable.from_checkpoint(folder, hub_name(name), table.quantized, table.storage))
+        full = name if model.base_model is not model else f"{model.base_model_prefix}.{name}"
+        stored = full if module_names else hub_name(full)
+        table.attach(ExternalTable.from_checkpoint(folder, stored, table.quantized, table.storage))
 
 
 def spread_over_devices(model: nn.Module) -> None:
@@ -183,17 +200,23 @@ def load_tokenizer_for_token_map(pretrained_model_name_or_path: str | os.PathLik
         ) from error
 
 
-def fill_placeholder_token_map(model: nn.Module, why: str) -> None:
-    """Fill `model.engram_token_map` with a deterministic placeholder (token id modulo the compressed vocabulary),
-    and warn: it lets a model without its tokenizer run, but it is not the map a trained checkpoint was trained with."""
-    text = model.config.text_config
-    logger.warning(
-        f"The Engram token map is a deterministic placeholder (token id modulo engram_compressed_vocab_size) because "
-        f"{why}. A trained checkpoint needs the map of its tokenizer: call model.build_engram_token_map(tokenizer)."
-    )
-    placeholder = torch.arange(text.vocab_size, dtype=torch.int64) % text.engram_compressed_vocab_size
-    with torch.no_grad():
-        model.engram_token_map.copy_(placeholder.to(model.engram_token_map.device))
+def token_map_not_loaded(model: nn.Module, pretrained_model_name_or_path, state_dict: dict | None,
+                         hub_kwargs: dict) -> bool:
+    """Whether `model` has Engram layers and the checkpoint it was loaded from holds no Engram token map (the hub
+    layout, as released), so that the map must be built from the checkpoint's tokenizer. Weights given as a
+    state_dict without a map keep the default one, with a warning."""
+    if not hasattr(model.base_model, "engram_token_map"):
+        return False
+    if pretrained_model_name_or_path is None:
+        if state_dict is not None and not any(key.endswith("engram_token_map") for key in state_dict):
+            logger.warning(
+                "The given state_dict has no engram_token_map: the model keeps the default Engram token map (token "
+                "id modulo engram_compressed_vocab_size). Weights trained with a tokenizer need its map: call "
+                "model.build_engram_token_map(tokenizer)."
+            )
+        return False
+    folder = local_folder(pretrained_model_name_or_path, hub_kwargs)
+    return not checkpoint_has_prefix(folder, ("engram_token_map", "model.engram_token_map"))
 
 
 def compressed_token_map(tokenizer, vocab_size: int, expected_size: int) -> torch.Tensor:

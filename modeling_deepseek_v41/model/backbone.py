@@ -22,12 +22,12 @@ from ..layers.attention import ForwardShare
 from ..layers.block import DeepseekV41BackboneBlock
 from ..layers.dspark import DeepseekV41DSparkBlock
 from ..layers.engram import prefetch_engram_rows
-from ..layers.engram_hashing import DEAD, EngramHashLayout, engram_hash_ids, ngram_window
+from ..layers.engram_hashing import DEAD, EngramHashLayout, default_token_map, engram_hash_ids, ngram_window
 from ..layers.hyper_connections import hc_collapse, initial_streams
 from ..layers.rotary import DeepseekV41Rotary
 from ..layers.vision import DeepseekV41VisionAligner, DeepseekV41VisionTower, embed_images, merge_image_embeddings
 from ..loading.loader import compressed_token_map
-from .inputs import check_forward_inputs, reads_values
+from .inputs import cache_in_use, check_forward_inputs
 from .pretrained import DeepseekV41PreTrainedModel
 
 
@@ -118,8 +118,9 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
                 setattr(self, name, nn.Parameter(torch.empty(text.hidden_size, dtype=weight_dtype(torch.bfloat16))))
         if self.plan.engram_layers:
             self.engram_layout = EngramHashLayout.from_config(text)
-            # built from the tokenizer when a checkpoint does not carry it; -1 marks "not built yet"
-            self.register_buffer("engram_token_map", torch.full((text.vocab_size,), -1, dtype=torch.int64))
+            # saved with the weights; from_pretrained builds it from the tokenizer when a checkpoint lacks it
+            self.register_buffer("engram_token_map",
+                                 default_token_map(text.vocab_size, text.engram_compressed_vocab_size))
         self.rotary = DeepseekV41Rotary(text, ((spec.rope_theta, spec.use_yarn)
                                                for spec in self.plan.layers + self.plan.dspark_layers))
         self.post_init()
@@ -219,10 +220,10 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         """The token ids a forward runs on (zeros standing in for them with `inputs_embeds` alone, where nothing
         reads them) and whether it uses a cache (`use_cache=None` follows the config, and is off for a training forward
         that records gradients: the cache keeps packed FP4/FP8 bytes that carry none, and a recomputed checkpoint
-        would find them written)."""
+        would find them written; never under torch.export: `cache_in_use`)."""
         if input_ids is not None:
             default = self.config.text_config.use_cache and not (self.training and torch.is_grad_enabled())
-            return input_ids, use_cache if use_cache is not None else default
+            return input_ids, cache_in_use(use_cache, default, cache)
         if inputs_embeds is None:
             raise ValueError("Pass input_ids (or inputs_embeds, for a config without Engram layers).")
         if self.plan.engram_layers:
@@ -255,23 +256,12 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         with torch.no_grad():
             self.engram_token_map.copy_(token_map.to(self.engram_token_map.device))
 
-    def token_map_missing(self) -> bool:
-        """Whether this model has Engram layers whose compressed token map is not built yet (-1 entries)."""
-        return hasattr(self, "engram_token_map") and bool((self.engram_token_map < 0).any())
-
     def engram_rows(self, input_ids: torch.Tensor, dead: torch.Tensor | None, store=None, replayed: int = 0
                     ) -> torch.Tensor:
         """Global Engram table rows [B,S,n_engram_layers,columns] of every position of `input_ids`; with a cache
         as the `store`, n-grams reach back into the cached history."""
         store = ChunkStore() if store is None else store
         token_map = self.engram_token_map
-        # a host read: skipped by one-token accelerator steps, like the input checks (the prefill already ran it)
-        if reads_values(input_ids) and not store.is_static and self.token_map_missing():
-            raise RuntimeError(
-                "The Engram compressed token map has not been built. Load the model with from_pretrained from a "
-                "folder that has the tokenizer files, or call model.build_engram_token_map(tokenizer); for an "
-                "untrained model, AutoModelForCausalLM.from_config(config) fills a deterministic placeholder map."
-            )
         text = self.config.text_config
         compressed = token_map[input_ids]
         if dead is not None:

@@ -12,6 +12,7 @@ from transformers.utils.generic import can_return_tuple
 from ..cache.cache import DeepseekV41Cache
 from ..config.configuration_deepseek_v41 import DeepseekV41Config
 from ..kernels.linear import DeepseekV41Linear
+from ..loading.loader import accept_hub_names
 from .backbone import DeepseekV41Model
 from .generation import DeepseekV41GenerationMixin
 from .pretrained import DeepseekV41PreTrainedModel
@@ -30,9 +31,10 @@ class DeepseekV41CausalLMOutput(MoeCausalLMOutputWithPast):
 
 class DeepseekV41ForCausalLM(DeepseekV41GenerationMixin, DeepseekV41PreTrainedModel):
     """`DeepseekV41Model` (`model`: embeddings, blocks, norm, DSpark drafter blocks, vision tower) and the output
-    head (`lm_head`). On disk the tensors keep the hub checkpoint's flat names (`embed.weight`, `layers.N...`,
-    `head.weight`, `mtp.N...`): the checkpoint conversion mapping registered for this class renames them on load
-    and back on `save_pretrained`."""
+    head (`lm_head`). The released checkpoint names its tensors flat (`embed.weight`, `layers.N...`, `head.weight`,
+    `mtp.N...`): the checkpoint conversion mapping registered for this class renames them on load, and
+    `save_pretrained(save_original_format=True)` writes them so; by default `save_pretrained` writes the module
+    names of `state_dict()`."""
 
     _tp_plan = {"lm_head": "deepseek_v41_vocab_rows"}
 
@@ -41,6 +43,7 @@ class DeepseekV41ForCausalLM(DeepseekV41GenerationMixin, DeepseekV41PreTrainedMo
         text = config.text_config
         self.model = DeepseekV41Model(config)
         self.lm_head = DeepseekV41Linear(text.hidden_size, text.vocab_size, dtype=torch.float32)
+        self.register_load_state_dict_pre_hook(accept_hub_names)  # the released files' names load too
         self.post_init()
 
     @property
@@ -66,28 +69,14 @@ class DeepseekV41ForCausalLM(DeepseekV41GenerationMixin, DeepseekV41PreTrainedMo
 
     def resize_token_embeddings(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
                                 mean_resizing: bool = True) -> nn.Embedding:
-        """transformers' resizing of the embedding and the head (bf16 weight mode), and of the DSpark drafter's Markov
-        tables. Added tokens get placeholder Engram ids (token id modulo the compressed vocabulary) until
-        `build_engram_token_map(tokenizer)`."""
-        if self.quantized:
-            raise ValueError(
-                "resize_token_embeddings needs the bf16 weight mode: this model holds the checkpoint's FP8/FP4 "
-                "weights, which are for inference and cannot be trained, and new token rows must be trained. Load it "
-                "with from_pretrained(..., weight_mode=\"bf16\") (or call model.dequantize_weights()) first."
-            )
-        old_vocab = self.config.text_config.vocab_size
+        """The base model's resizing (embedding, head, Engram token map), and of the DSpark drafter's Markov
+        tables."""
         embeddings = super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
         vocab = embeddings.weight.shape[0]
         if self.has_dspark:  # the drafter's bigram bias is indexed by the previous token and scores every token
             markov = self.model.mtp[-1].markov_head
             markov.embed = self._get_resized_embeddings(markov.embed, vocab, mean_resizing=mean_resizing)
             markov.head = self._get_resized_lm_head(markov.head, vocab, mean_resizing=mean_resizing)
-        base = self.model
-        if hasattr(base, "engram_token_map"):
-            token_map = base.engram_token_map
-            added = torch.arange(old_vocab, max(vocab, old_vocab), device=token_map.device)
-            extended = torch.cat([token_map, added % self.config.text_config.engram_compressed_vocab_size])[:vocab]
-            base.register_buffer("engram_token_map", extended.contiguous())
         return embeddings
 
     def _get_resized_lm_head(self, old_lm_head: DeepseekV41Linear, new_num_tokens: int | None = None,

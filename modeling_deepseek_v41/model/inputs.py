@@ -74,3 +74,16 @@ def check_generate_inputs(config, args: tuple, kwargs: dict) -> None:
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     if getattr(cache, "pending_replay", False):  # a restored prefix: the prompt must start with its saved tokens
         cache.check_extends(input_ids)
+
+
+def cache_in_use(use_cache: bool | None, default: bool, cache) -> bool:
+    """Whether a forward keeps a cache: `use_cache`, or `default` when it is None. Under torch.export the cache is
+    left out: an exported program is a function of tensors, and the cache is Python state that grows with every
+    call (and links to its per-layer views), so a cache, or `use_cache=True`, is refused with the reason."""
+    if not torch.compiler.is_exporting():
+        return default if use_cache is None else use_cache
+    if cache is not None or use_cache:
+        raise ValueError("torch.export cannot take or return a DeepseekV41Cache: an exported program is a function "
+                         "of tensors, and the cache is Python state that grows with every call. Export the forward "
+                         "without a cache (use_cache=False, the default under export) and decode with the eager model.")
+    return False

@@ -16,6 +16,7 @@ from ..kernels.linear import STORAGE_FP4, STORAGE_FP8, DeepseekV41RMSNorm, Deeps
 from ..kernels.numerics import quantize_fp4_weight, quantize_fp8_weight
 from ..layers.block import DeepseekV41Block
 from ..layers.engram import DeepseekV41Engram, DeepseekV41EngramTable
+from ..layers.engram_hashing import default_token_map
 from ..loading import loader
 from ..loading.checkpoint_layout import holds_drafter
 from ..loading.parameter_count import logical_num_parameters
@@ -75,7 +76,9 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
                 init.zeros_(module.ffn.gate.bias_vl)
         elif isinstance(module, DeepseekV41PreTrainedModel):
             if hasattr(module, "engram_token_map"):
-                init.constant_(module.engram_token_map, -1)
+                text = self.config.text_config
+                init.copy_(module.engram_token_map,
+                           default_token_map(module.engram_token_map.numel(), text.engram_compressed_vocab_size))
             for name in ("image_start", "image_end", "image_newline"):
                 if hasattr(module, name):
                     init.normal_(getattr(module, name), mean=0.0, std=std)
@@ -88,7 +91,7 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
         without it, the checkpoint is checked against the built model before any weight is read, the CSA2-aware
         `device_map="auto"`, tensor parallelism (`tp_plan`, or `distributed_config` with a tp_plan), Engram tables
         kept in host memory or mapped, the Engram token map built from the folder's tokenizer when the weights do
-        not carry it, and `weight_mode="bf16"` dequantization after loading."""
+        not carry it (the released checkpoint), and `weight_mode="bf16"` dequantization after loading."""
         hub_kwargs = loader.hub_kwargs_of(kwargs)
         local = (pretrained_model_name_or_path is not None and os.path.isdir(pretrained_model_name_or_path)
                  and not kwargs.get("ignore_mismatched_sizes"))
@@ -113,25 +116,31 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
             localize_parameters(model)
         loader.attach_engram_tables(model, pretrained_model_name_or_path, hub_kwargs)
         loader.spread_over_devices(model)
-        base = model.base_model
-        if base.token_map_missing():
-            if pretrained_model_name_or_path is None:  # weights from a state_dict: no folder to read a tokenizer from
-                loader.fill_placeholder_token_map(base, "the given state_dict has no engram_token_map")
-            else:
-                base.build_engram_token_map(loader.load_tokenizer_for_token_map(pretrained_model_name_or_path,
-                                                                                **hub_kwargs))
+        if loader.token_map_not_loaded(model, pretrained_model_name_or_path, kwargs.get("state_dict"), hub_kwargs):
+            model.base_model.build_engram_token_map(loader.load_tokenizer_for_token_map(pretrained_model_name_or_path,
+                                                                                        **hub_kwargs))
         apply_weight_mode(model, kwargs)
         return loaded
 
-    @classmethod
-    def _from_config(cls, config, **kwargs):
-        """transformers' construction from a config; a model with Engram layers gets a deterministic placeholder
-        token map (with a warning), since there is no tokenizer to build it from."""
-        model = super()._from_config(config, **kwargs)
-        base = model.base_model
-        if base.token_map_missing():
-            loader.fill_placeholder_token_map(base, "the model was built from a config, without a tokenizer")
-        return model
+    def resize_token_embeddings(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
+                                mean_resizing: bool = True) -> nn.Embedding:
+        """transformers' resizing of the embedding (and head), in the bf16 weight mode; the Engram token map
+        follows: added ids get the default entries (id modulo the compressed vocabulary) until
+        `build_engram_token_map(tokenizer)`."""
+        if self.quantized:
+            raise ValueError(
+                "resize_token_embeddings needs the bf16 weight mode: this model holds the checkpoint's FP8/FP4 "
+                "weights, which are for inference and cannot be trained, and new token rows must be trained. Load it "
+                "with from_pretrained(..., weight_mode=\"bf16\") (or call model.dequantize_weights()) first."
+            )
+        embeddings = super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
+        base = self.base_model
+        if hasattr(base, "engram_token_map"):
+            token_map, vocab = base.engram_token_map, embeddings.weight.shape[0]
+            added = default_token_map(vocab, self.config.text_config.engram_compressed_vocab_size,
+                                      start=min(token_map.numel(), vocab)).to(token_map.device)
+            base.register_buffer("engram_token_map", torch.cat([token_map[:vocab], added]))
+        return embeddings
 
     @classmethod
     def _skeleton(cls, path, kwargs: dict) -> nn.Module:
@@ -158,9 +167,12 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
         if elsewhere:
             loading_info.unexpected_keys = {k for k in loading_info.unexpected_keys if k not in elsewhere}
 
-    def save_pretrained(self, *args, **kwargs):
+    def save_pretrained(self, save_directory, *args, save_original_format: bool = False, **kwargs):
+        """transformers' save_pretrained, with the tensors named as in `state_dict()` by default: every loader
+        (from_pretrained, Trainer's resume, accelerate's load_checkpoint_and_dispatch, load_state_dict) then reads
+        them back as they are. `save_original_format=True` writes the hub's names (`embed.weight`, `head.weight`)."""
         loader.check_savable(self)
-        return super().save_pretrained(*args, **kwargs)
+        return super().save_pretrained(save_directory, *args, save_original_format=save_original_format, **kwargs)
 
     def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
         return logical_num_parameters(self, only_trainable, exclude_embeddings)
