@@ -30,3 +30,33 @@ def test_decode_step_is_one_graph_and_matches_eager(accelerator_paths):
     compiled = _decode(model, captured, ids, prompt=34)
     for got, want in zip(compiled, eager):
         assert torch.equal(got, want)
+
+
+def test_inductor_compiles_the_model_on_the_cpu_in_both_weight_modes():
+    """The default backend (Inductor's C++ kernels) on a one-layer model with a cache, FP8/FP4 weights and Engram:
+    no E8M0 tensor reaches a kernel (the scales are decoded by integer shifts). Inductor fuses the bf16 roundings
+    away and the FP8 activation QDQ turns last-bit differences into steps, so the bound is the top-1 agreement."""
+    import json
+
+    from model_factory import schedule_config
+    from reference_cases import FIXTURES
+
+    from modeling_deepseek_v41 import DeepseekV41Config, DeepseekV41ForCausalLM
+
+    bf16 = schedule_config(dict(
+        num_hidden_layers=1, compress_ratios=[2], kv_source_layer_ids=[0], index_source_layer_ids=[0],
+        candidate_source_layer_id=None, engram_layer_ids=[0], dspark_target_layer_ids=[], num_nextn_predict_layers=0,
+        n_routed_experts=4))
+    quantization = json.loads((FIXTURES / "tiny-text" / "checkpoint" / "config.json").read_text())["quantization_config"]
+    quantized = DeepseekV41Config(text_config=bf16.text_config.to_dict(), quantization_config=quantization,
+                                  weight_mode="quantized")
+    ids = torch.randint(3, 400, (1, 10), generator=torch.Generator().manual_seed(4))
+    for config in (quantized, bf16):
+        torch.manual_seed(0)
+        model = DeepseekV41ForCausalLM(config).eval()
+        with torch.no_grad():
+            eager = model(ids).logits
+            compiled = torch.compile(model)(ids).logits
+        assert torch.isfinite(compiled).all()
+        assert (compiled.argmax(-1) == eager.argmax(-1)).float().mean() >= 0.9
+        assert ((compiled - eager).norm() / eager.norm()) <= 0.1

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.numerics import (
+    e8m0_bytes,
     fp4_dequantize_rows,
     fp4_quantize_rows,
     fp8_dequantize_rows,
@@ -64,8 +65,15 @@ class PackedRows:
         block, scale_format = (16, "e4m3") if self.fmt == "fp4_e4m3" else (32, "e8m0")
         return fp4_quantize_rows(values, block, scale_format)
 
+    def _scale_bytes(self, scales: torch.Tensor) -> torch.Tensor:
+        if self.scale_dtype == torch.float8_e8m0fnu:  # by integer ops: Inductor cannot bitcast E8M0
+            return e8m0_bytes(scales)
+        return scales.to(self.scale_dtype).view(torch.uint8)
+
     def _decode(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        codes, scales = codes.view(self.code_dtype), scales.view(self.scale_dtype)
+        codes = codes.view(self.code_dtype)
+        if self.scale_dtype != torch.float8_e8m0fnu:  # E8M0 scales stay bytes (decoded by e8m0_to_float)
+            scales = scales.view(self.scale_dtype)
         if self.fmt == "fp8_e8m0":
             return fp8_dequantize_rows(codes, scales, dtype)
         return fp4_dequantize_rows(codes, scales, dtype)
@@ -83,14 +91,14 @@ class PackedRows:
         if codes.numel() == 0:
             return
         self.codes[batch_ids, row_ids] = codes.to(self.code_dtype).view(torch.uint8)
-        self.scales[batch_ids, row_ids] = scales.to(self.scale_dtype).view(torch.uint8)
+        self.scales[batch_ids, row_ids] = self._scale_bytes(scales)
 
     def write_codes_one_per_row(self, row_ids: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                                 keep: torch.Tensor) -> None:
         """Store encoded rows codes [B, w] at (b, row_ids[b]) where keep [B], without reading anything back to
         the host: rows not kept rewrite the bytes already at row 0."""
         target = torch.where(keep, row_ids, 0).view(-1, 1, 1)
-        for store, values in ((self.codes, codes.to(self.code_dtype)), (self.scales, scales.to(self.scale_dtype))):
+        for store, values in ((self.codes, codes.to(self.code_dtype)), (self.scales, self._scale_bytes(scales))):
             index = target.expand(-1, 1, store.shape[-1])
             kept = torch.where(keep.view(-1, 1, 1), values.view(torch.uint8).unsqueeze(1), store.gather(1, index))
             store.scatter_(1, index, kept)

@@ -67,8 +67,23 @@ def fp8_quantize_rows(x: torch.Tensor, block: int = WEIGHT_BLOCK) -> tuple[torch
     return to_e4m3(groups / scale).flatten(-2), scale.squeeze(-1).to(torch.float8_e8m0fnu)
 
 
+def e8m0_to_float(scales: torch.Tensor) -> torch.Tensor:
+    """fp32 values of E8M0 scales given as float8_e8m0fnu or as their uint8 bytes: 2^(byte - 127), bit-exact (0xFF
+    is NaN). Bytes are decoded by integer shifts into fp32 exponent bits: Inductor has no C++ type for E8M0."""
+    if scales.dtype != torch.uint8:
+        return scales.float()
+    bits = scales.to(torch.int32) << 23
+    bits = torch.where(scales == 0, 0x400000, bits | (scales == 0xFF).to(torch.int32))  # 2^-127 is subnormal
+    return bits.view(torch.float32)
+
+
+def e8m0_bytes(scales: torch.Tensor) -> torch.Tensor:
+    """The uint8 E8M0 bytes of power-of-two scales (fp32 or float8_e8m0fnu): their fp32 exponent field."""
+    return ((scales.float().contiguous().view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
+
+
 def fp8_dequantize_rows(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    groups = values.float().unflatten(-1, (scales.shape[-1], -1)) * scales.float().unsqueeze(-1)
+    groups = values.float().unflatten(-1, (scales.shape[-1], -1)) * e8m0_to_float(scales).unsqueeze(-1)
     return groups.flatten(-2).to(dtype)
 
 
@@ -128,7 +143,7 @@ def fp4_quantize_rows(x: torch.Tensor, block: int, scale_format: str) -> tuple[t
 
 def fp4_dequantize_rows(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     values = e2m1_values(unpack_nibbles(packed)).unflatten(-1, (scales.shape[-1], -1))
-    return (values * scales.float().unsqueeze(-1)).flatten(-2).to(dtype)
+    return (values * e8m0_to_float(scales).unsqueeze(-1)).flatten(-2).to(dtype)
 
 
 def fp4_qdq(x: torch.Tensor, block: int, scale_format: str) -> torch.Tensor:

@@ -150,7 +150,7 @@ def attend_stored(q: torch.Tensor, rotation: torch.Tensor, rope_dim: int, positi
     valid = valid & (held == listed)
     rows = torch.arange(q.shape[0], device=q.device).unsqueeze(1)
     entries = fp8_dequantize_rows(ring.codes[rows, flat].view(torch.float8_e4m3fn),
-                                  ring.scales[rows, flat].view(torch.float8_e8m0fnu), q.dtype)
+                                  ring.scales[rows, flat], q.dtype)  # E8M0 bytes: decoded by integer shifts
     entries = entries.view(*slots.shape, q.shape[-1])
     if selected is not None:
         picks = selected.clamp_min(0).flatten(1)
