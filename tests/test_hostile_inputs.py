@@ -91,6 +91,20 @@ def test_reorder_cache_refuses_bad_indices_and_keeps_the_rows(model, indices, me
     assert torch.equal(cache._tokens.view(0, cache.columns), tokens)
 
 
+def test_a_cache_that_ends_inside_an_image_span_is_refused():
+    """A prompt continues a cache after whole images only (its cached images are dropped, the others kept)."""
+    from modeling_deepseek_v41.model.generation import uncached_images
+
+    types = torch.tensor([[-1, 0, 1, 2, 3, -1, 0, 1, 1, 2, 3]])
+    grids = torch.tensor([[2, 2, 1, 1], [2, 4, 1, 2]])
+    pixels = torch.arange(12.0).view(12, 1, 1, 1)
+    kept_pixels, kept_grids = uncached_images(types, pixels, grids, cached=6)
+    assert torch.equal(kept_grids, grids[1:]) and torch.equal(kept_pixels, pixels[4:])
+    assert uncached_images(types, pixels, grids, cached=11) == (None, None)
+    with pytest.raises(ValueError, match="cache ends inside an image span"):
+        uncached_images(types, pixels, grids, cached=3)
+
+
 # -- numerics: non-finite weights and logits ---------------------------------------------------------------------
 
 def test_generate_stops_on_all_nan_logits_even_when_removing_invalid_values(model):

@@ -16,7 +16,7 @@ from transformers import GenerationMixin
 
 from ..cache.cache import DeepseekV41Cache
 from ..cache.graph_decoder import GenerationGraphs, check_graph_decoding
-from ..layers.vision import TOKEN_TYPE_TEXT
+from ..layers.vision import TOKEN_TYPE_IMAGE_START, TOKEN_TYPE_TEXT
 from .dspark import DSparkCandidateGenerator, dspark_generation_config
 from .inputs import check_generate_inputs
 from .invalid_logits import with_invalid_logits_check
@@ -162,7 +162,8 @@ class DeepseekV41GenerationMixin(GenerationMixin):
         cache = kwargs.get("cache")
         if cache is not None and cache.pending_replay:
             cache.check_extends(input_ids)
-        continuing = cache is not None and cache.get_seq_length() > 0 and not is_first
+        cached = cache.get_seq_length() if cache is not None else 0
+        continuing = cached > 0 and not is_first
         token_types = kwargs.pop("token_types", None)
         model_inputs = super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
         for key in ("pixel_values", "image_grids"):
@@ -174,7 +175,31 @@ class DeepseekV41GenerationMixin(GenerationMixin):
             width = model_inputs["input_ids"].shape[1]
             types = extend_token_types(token_types, input_ids.shape[-1] - token_types.shape[-1])
             model_inputs["token_types"] = types[:, -width:]
+            if cached > 0 and model_inputs.get("pixel_values") is not None:  # a later turn: earlier images are cached
+                model_inputs["pixel_values"], model_inputs["image_grids"] = uncached_images(
+                    types, model_inputs["pixel_values"], model_inputs["image_grids"], types.shape[1] - width)
         return model_inputs
+
+
+def uncached_images(token_types: torch.Tensor, pixel_values: torch.Tensor, image_grids: torch.Tensor,
+                    cached: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The patches and grids of the images whose spans start after the first `cached` columns (the cache already
+    holds the others: a conversation's later turn repeats its earlier images). None, None when all are cached."""
+    rows, columns = (token_types == TOKEN_TYPE_IMAGE_START).nonzero(as_tuple=True)  # reading order, as the images
+    if rows.numel() != image_grids.shape[0]:
+        raise ValueError(f"token_types mark {rows.numel()} image spans but image_grids describes "
+                         f"{image_grids.shape[0]} images; pass the processor's outputs for the same prompt.")
+    new_part = token_types[:, cached:]
+    first_span = torch.where(new_part == TOKEN_TYPE_IMAGE_START, 0, 1).cumprod(dim=1).bool()
+    if bool(((new_part > TOKEN_TYPE_IMAGE_START) & first_span).any()):
+        raise ValueError(f"The cache ends inside an image span (after column {cached}): a prompt continues a cache "
+                         "only after a whole image. Crop the cache before the image (cache.crop) or use a new cache.")
+    keep = columns >= cached
+    patches = image_grids[:, 0] * image_grids[:, 1]
+    patch_keep = torch.repeat_interleave(keep.to(pixel_values.device), patches.to(pixel_values.device))
+    if not bool(keep.any()):
+        return None, None
+    return pixel_values[patch_keep], image_grids[keep]
 
 
 def extend_token_types(token_types: torch.Tensor, num_new_tokens: int) -> torch.Tensor:
