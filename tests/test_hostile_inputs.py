@@ -119,6 +119,53 @@ def test_generate_stops_on_all_nan_logits_even_when_removing_invalid_values(mode
                             remove_invalid_values=remove)
 
 
+@pytest.mark.parametrize("value, kind", [(float("inf"), r"\+inf"), (float("-inf"), "-inf")], ids=["pos", "neg"])
+def test_generate_stops_on_infinite_logits_like_nan(model, value, kind):
+    from modeling_deepseek_v41.model.invalid_logits import InvalidLogitsError
+
+    hook = model.lm_head.register_forward_hook(lambda module, args, output: torch.full_like(output, value))
+    try:
+        for remove in (False, True):
+            with pytest.raises(InvalidLogitsError, match=f"every logit of row 0 is {kind} after 6 tokens"):
+                model.generate(_ids(), attention_mask=_mask(), max_new_tokens=3, do_sample=False, pad_token_id=2,
+                               remove_invalid_values=remove)
+    finally:
+        hook.remove()
+
+
+# -- generate() with a cache it cannot use ---------------------------------------------------------------------
+
+def test_static_cache_on_the_cpu_names_cuda_graphs_and_the_cpu_choice(model):
+    with pytest.raises(ValueError, match=r"cache_implementation='static' is DeepSeek-V4.1's CUDA-graph decoding.*"
+                                         r"on cpu.*on the CPU, leave cache_implementation unset"):
+        model.generate(_ids(), max_new_tokens=2, do_sample=False, pad_token_id=2, cache_implementation="static")
+
+
+def test_a_transformers_cache_is_refused_naming_the_cache_to_use(model):
+    from transformers import DynamicCache
+
+    for name in ("past_key_values", "cache"):
+        with pytest.raises(ValueError, match=r"got a DynamicCache.*pass DeepseekV41Cache\(model.config\)"):
+            model.generate(_ids(), max_new_tokens=2, do_sample=False, pad_token_id=2, **{name: DynamicCache()})
+
+
+def test_a_prompt_that_does_not_extend_its_cache_is_refused(model):
+    """The same prompt again, a shorter one, or one whose first columns differ from the cached tokens."""
+    cache = DeepseekV41Cache(model.config)
+    ids = model.generate(_ids(), max_new_tokens=2, do_sample=False, pad_token_id=2, cache=cache)
+    held = cache.get_seq_length()
+    changed = ids.clone()
+    changed[0, 1] += 1
+    for prompt, message in ((ids[:, :held], f"it has {held} columns and the cache already holds {held}"),
+                            (ids[:, :3], f"it has 3 columns and the cache already holds {held}"),
+                            (changed, f"its first {held} columns differ from the tokens the cache holds")):
+        with pytest.raises(ValueError, match=f"The prompt does not extend the cache: {message}"):
+            model.generate(prompt, max_new_tokens=2, do_sample=False, pad_token_id=2, cache=cache)
+    assert cache.get_seq_length() == held  # nothing ran
+    more = model.generate(ids, max_new_tokens=1, do_sample=False, pad_token_id=2, cache=cache)
+    assert more.shape[1] == ids.shape[1] + 1
+
+
 def _checkpoint_with(tmp_path, edit):
     """A copy of the tiny fixture checkpoint whose first shard went through `edit(tensors)`."""
     import shutil

@@ -104,6 +104,13 @@ class DeepseekV41GenerationMixin(GenerationMixin):
                 "compressed CSA2 pools (DeepseekV41Cache): use None or 'dynamic' (the default growing cache) or "
                 "'static' (fixed buffers replayed from a CUDA graph, the same as cuda_graphs=True; CUDA only)."
             )
+        if implementation == "static" and self.device.type != "cuda":
+            raise ValueError(
+                f"cache_implementation='static' is DeepSeek-V4.1's CUDA-graph decoding (fixed cache buffers whose "
+                f"one-token steps replay a recorded CUDA graph), which needs the model on a CUDA device; this one is "
+                f"on {self.device}. On a GPU, load with device_map='cuda' (or call model.to('cuda')); on the CPU, "
+                "leave cache_implementation unset (or 'dynamic'): the model's growing DeepseekV41Cache."
+            )
         if getattr(config, "cache_implementation", None) is not None:
             config = copy.deepcopy(config)
             config.cache_implementation = None  # transformers would otherwise build its own cache from it
