@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -89,9 +90,19 @@ class DeepseekV41GenerationMixin(GenerationMixin):
                 run.graphs.close()
             if isinstance(cache, DeepseekV41Cache):
                 cache.generation_run = None
+        stats = self._generation_stats(output, args, kwargs, elapsed, cache, run.drafter)
         if generation_stats is not None:
-            generation_stats.update(self._generation_stats(output, args, kwargs, elapsed, cache, run.drafter))
+            generation_stats.update(stats)
+        self._deprecated_last_stats = stats  # read only by the deprecated last_generation_stats; goes with it
         return output
+
+    @property
+    def last_generation_stats(self) -> dict | None:
+        """Deprecated (removed in the next release): pass a dict as `generate(..., generation_stats=stats)`."""
+        warnings.warn("model.last_generation_stats is deprecated and will be removed in the next release: pass a "
+                      "dict as generate(..., generation_stats=stats) (or a pipeline's generate_kwargs) and read it.",
+                      FutureWarning, stacklevel=2)
+        return self.__dict__.get("_deprecated_last_stats")
 
     def _resolve_cache_implementation(self, implementation: str | None, kwargs: dict) -> bool:
         """Check the requested cache implementation (argument or generation config) and clear it from the config
