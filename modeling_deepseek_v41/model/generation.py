@@ -51,6 +51,10 @@ class DeepseekV41GenerationMixin(GenerationMixin):
         device; not with DSpark or beam search). Pass a dict as `generation_stats` to get the call's measured
         speed, cache size and draft acceptance in it. `cache_implementation`: None or "dynamic" (the model's own
         growing DeepseekV41Cache) or "static" (the same as `cuda_graphs=True`); others are refused."""
+        types, mask = kwargs.get("token_types"), kwargs.get("attention_mask")
+        if isinstance(types, torch.Tensor) and isinstance(mask, torch.Tensor) and types.shape == mask.shape:
+            # padding is text, whatever a collator filled in (a pipeline pads every unknown key with 0)
+            kwargs["token_types"] = types.masked_fill(mask == 0, TOKEN_TYPE_TEXT)
         check_generate_inputs(self.config, args, kwargs)
         implementation = kwargs.pop("cache_implementation", None)
         use_dspark = kwargs.pop("use_dspark", None)
