@@ -150,16 +150,19 @@ def test_a_transformers_cache_is_refused_naming_the_cache_to_use(model):
 
 
 def test_a_prompt_that_does_not_extend_its_cache_is_refused(model):
-    """The same prompt again, a shorter one, or one whose first columns differ from the cached tokens."""
+    """The same prompt again, a shorter one, one whose first columns differ from the cached tokens, or another
+    number of rows."""
     cache = DeepseekV41Cache(model.config)
     ids = model.generate(_ids(), max_new_tokens=2, do_sample=False, pad_token_id=2, cache=cache)
     held = cache.get_seq_length()
     changed = ids.clone()
     changed[0, 1] += 1
-    for prompt, message in ((ids[:, :held], f"it has {held} columns and the cache already holds {held}"),
-                            (ids[:, :3], f"it has 3 columns and the cache already holds {held}"),
-                            (changed, f"its first {held} columns differ from the tokens the cache holds")):
-        with pytest.raises(ValueError, match=f"The prompt does not extend the cache: {message}"):
+    refused = "The prompt does not extend the cache: "
+    for prompt, message in ((ids[:, :held], f"{refused}it has {held} columns and the cache already holds {held}"),
+                            (ids[:, :3], f"{refused}it has 3 columns and the cache already holds {held}"),
+                            (changed, f"{refused}its first {held} columns differ from the tokens the cache holds"),
+                            (ids[:1], "The cache holds 2 rows but the prompt has 1")):
+        with pytest.raises(ValueError, match=message):
             model.generate(prompt, max_new_tokens=2, do_sample=False, pad_token_id=2, cache=cache)
     assert cache.get_seq_length() == held  # nothing ran
     more = model.generate(ids, max_new_tokens=1, do_sample=False, pad_token_id=2, cache=cache)

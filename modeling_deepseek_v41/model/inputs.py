@@ -88,6 +88,12 @@ def check_generate_cache(cache, input_ids: torch.Tensor | None) -> None:
     cached = cache.get_seq_length()
     if not cached or input_ids is None:
         return
+    if cache.batch_size != input_ids.shape[0]:
+        raise ValueError(
+            f"The cache holds {cache.batch_size} rows but the prompt has {input_ids.shape[0]}: a cache continues the "
+            "rows it was filled with (one per prompt row; after beam search or num_return_sequences, one per beam or "
+            "sequence). Pass the same rows, or a new cache."
+        )
     if input_ids.shape[1] <= cached:
         raise ValueError(
             f"The prompt does not extend the cache: it has {input_ids.shape[1]} columns and the cache already holds "
