@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,19 +53,45 @@ def print_answer(question: str, answer: str, stats: dict) -> None:
     print(f"cache: {stats['cache_global_bytes_per_token']:.0f} bytes of global KV per token")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
-    parser.add_argument("--max-new-tokens", type=int, default=16)
-    args = parser.parse_args()
-    if not args.checkpoint.exists():
-        raise SystemExit(f"{args.checkpoint} is missing: run `python examples/build_default.py` to rebuild it.")
+def build_parser() -> argparse.ArgumentParser:
+    summary, _, details = __doc__.partition("\n\n")
+    details = details.split("\n\n", 1)[-1]  # the rest, after the usage line
+    parser = argparse.ArgumentParser(description=textwrap.fill(" ".join(summary.split()), 100), epilog=details,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT,
+                        help="a DeepSeek-V4.1 checkpoint folder (config.json, weights, tokenizer), in the hub layout "
+                             "or saved by save_pretrained (default: the embedded examples/default-checkpoint)")
+    parser.add_argument("--max-new-tokens", type=int, default=16,
+                        help="the most tokens the answer may have (default: 16)")
+    return parser
+
+
+def check_checkpoint(checkpoint: Path) -> None:
+    """Exit with advice that fits the folder asked for: rebuild the embedded default, or fix the given path."""
+    if checkpoint.resolve() == DEFAULT_CHECKPOINT.resolve():
+        if not (checkpoint / "config.json").exists():
+            raise SystemExit(f"The embedded default checkpoint {checkpoint} is missing: run "
+                             "`python examples/build_default.py` to rebuild it.")
+        return
+    if not checkpoint.is_dir():
+        what = "is a file, not a folder" if checkpoint.exists() else "does not exist"
+        raise SystemExit(f"--checkpoint {checkpoint} {what}: pass the folder of a DeepSeek-V4.1 checkpoint, or leave "
+                         "--checkpoint out to use the embedded default.")
+    if not (checkpoint / "config.json").exists():
+        raise SystemExit(f"--checkpoint {checkpoint} has no config.json, so it is not a checkpoint folder: pass the "
+                         "folder that holds config.json, the weights and the tokenizer.")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    check_checkpoint(args.checkpoint)
     answer, stats = ask(args.checkpoint, demo_image(), MAIN_QUESTION, args.max_new_tokens)
     report = args.checkpoint / "training_report.json"
     if report.exists():  # say how good the small default is, so its answer is read for what it is
         accuracy = json.loads(report.read_text())["evaluation"]["heldout_accuracy"]
         print(f"(this small trained default answers {accuracy:.0%} of its held-out picture questions correctly)")
     print_answer(MAIN_QUESTION, answer, stats)
+
 
 if __name__ == "__main__":
     main()

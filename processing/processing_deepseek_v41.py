@@ -41,8 +41,9 @@ class DeepseekV41Processor(ProcessorMixin):
     Output (`BatchFeature`): `input_ids`, `attention_mask`, `token_types` (lists, or tensors with
     `return_tensors`; with `padding`, rows are padded on the left by default, since a decoder-only model generates
     after the last position of every row, or on the right with `padding_side="right"` for training; padding has the
-    pad id, mask 0 and type -1), and when images are given `pixel_values` (bf16 `[sum of n_vit_h*n_vit_w, 3, p, p]`)
-    and `image_grids` (int64 `[n_images, 4]` = n_vit_h, n_vit_w, n_llm_h, n_llm_w), always torch tensors.
+    pad id, mask 0 and type -1), `pixel_values` (bf16 `[sum of n_vit_h*n_vit_w, 3, p, p]`) and `image_grids` (int64
+    `[n_images, 4]` = n_vit_h, n_vit_w, n_llm_h, n_llm_w), always torch tensors, with no rows for a text without
+    images (so that a pipeline can batch a text-only chat with a picture chat).
     """
 
     model_input_names = ["input_ids", "attention_mask", "token_types", "pixel_values", "image_grids"]
@@ -135,6 +136,10 @@ class DeepseekV41Processor(ProcessorMixin):
         out = super().__call__(images=images, text=text, **kwargs)
         if "input_ids" in out:
             out["token_types"] = self._token_types(out["input_ids"], out.get("image_grids"))
+            if "pixel_values" not in out:  # no image: empty image inputs, so text-only and picture rows batch alike
+                patch = self.image_processor.patch_size
+                out["pixel_values"] = torch.empty((0, 3, patch, patch), dtype=torch.bfloat16)
+                out["image_grids"] = torch.empty((0, 4), dtype=torch.int64)
         return out
 
     def _without_leading_bos(self, text: str | list[str], kwargs: dict[str, Any]) -> str | list[str]:

@@ -91,6 +91,20 @@ def test_reorder_cache_refuses_bad_indices_and_keeps_the_rows(model, indices, me
     assert torch.equal(cache._tokens.view(0, cache.columns), tokens)
 
 
+def test_a_cache_that_ends_inside_an_image_span_is_refused():
+    """A prompt continues a cache after whole images only (its cached images are dropped, the others kept)."""
+    from modeling_deepseek_v41.model.generation import uncached_images
+
+    types = torch.tensor([[-1, 0, 1, 2, 3, -1, 0, 1, 1, 2, 3]])
+    grids = torch.tensor([[2, 2, 1, 1], [2, 4, 1, 2]])
+    pixels = torch.arange(12.0).view(12, 1, 1, 1)
+    kept_pixels, kept_grids = uncached_images(types, pixels, grids, cached=6)
+    assert torch.equal(kept_grids, grids[1:]) and torch.equal(kept_pixels, pixels[4:])
+    assert uncached_images(types, pixels, grids, cached=11) == (None, None)
+    with pytest.raises(ValueError, match="cache ends inside an image span"):
+        uncached_images(types, pixels, grids, cached=3)
+
+
 # -- numerics: non-finite weights and logits ---------------------------------------------------------------------
 
 def test_generate_stops_on_all_nan_logits_even_when_removing_invalid_values(model):
@@ -103,6 +117,56 @@ def test_generate_stops_on_all_nan_logits_even_when_removing_invalid_values(mode
         with pytest.raises(InvalidLogitsError, match="every logit of row 0 is NaN"):
             broken.generate(_ids(), attention_mask=_mask(), max_new_tokens=3, do_sample=False, pad_token_id=2,
                             remove_invalid_values=remove)
+
+
+@pytest.mark.parametrize("value, kind", [(float("inf"), r"\+inf"), (float("-inf"), "-inf")], ids=["pos", "neg"])
+def test_generate_stops_on_infinite_logits_like_nan(model, value, kind):
+    from modeling_deepseek_v41.model.invalid_logits import InvalidLogitsError
+
+    hook = model.lm_head.register_forward_hook(lambda module, args, output: torch.full_like(output, value))
+    try:
+        for remove in (False, True):
+            with pytest.raises(InvalidLogitsError, match=f"every logit of row 0 is {kind} after 6 tokens"):
+                model.generate(_ids(), attention_mask=_mask(), max_new_tokens=3, do_sample=False, pad_token_id=2,
+                               remove_invalid_values=remove)
+    finally:
+        hook.remove()
+
+
+# -- generate() with a cache it cannot use ---------------------------------------------------------------------
+
+def test_static_cache_on_the_cpu_names_cuda_graphs_and_the_cpu_choice(model):
+    with pytest.raises(ValueError, match=r"cache_implementation='static' is DeepSeek-V4.1's CUDA-graph decoding.*"
+                                         r"on cpu.*on the CPU, leave cache_implementation unset"):
+        model.generate(_ids(), max_new_tokens=2, do_sample=False, pad_token_id=2, cache_implementation="static")
+
+
+def test_a_transformers_cache_is_refused_naming_the_cache_to_use(model):
+    from transformers import DynamicCache
+
+    for name in ("past_key_values", "cache"):
+        with pytest.raises(ValueError, match=r"got a DynamicCache.*pass DeepseekV41Cache\(model.config\)"):
+            model.generate(_ids(), max_new_tokens=2, do_sample=False, pad_token_id=2, **{name: DynamicCache()})
+
+
+def test_a_prompt_that_does_not_extend_its_cache_is_refused(model):
+    """The same prompt again, a shorter one, one whose first columns differ from the cached tokens, or another
+    number of rows."""
+    cache = DeepseekV41Cache(model.config)
+    ids = model.generate(_ids(), max_new_tokens=2, do_sample=False, pad_token_id=2, cache=cache)
+    held = cache.get_seq_length()
+    changed = ids.clone()
+    changed[0, 1] += 1
+    refused = "The prompt does not extend the cache: "
+    for prompt, message in ((ids[:, :held], f"{refused}it has {held} columns and the cache already holds {held}"),
+                            (ids[:, :3], f"{refused}it has 3 columns and the cache already holds {held}"),
+                            (changed, f"{refused}its first {held} columns differ from the tokens the cache holds"),
+                            (ids[:1], "The cache holds 2 rows but the prompt has 1")):
+        with pytest.raises(ValueError, match=message):
+            model.generate(prompt, max_new_tokens=2, do_sample=False, pad_token_id=2, cache=cache)
+    assert cache.get_seq_length() == held  # nothing ran
+    more = model.generate(ids, max_new_tokens=1, do_sample=False, pad_token_id=2, cache=cache)
+    assert more.shape[1] == ids.shape[1] + 1
 
 
 def _checkpoint_with(tmp_path, edit):

@@ -71,6 +71,21 @@ def test_batched_image_pipeline_equals_one_at_a_time():
     assert batched == single
 
 
+
+def test_pipeline_batch_mixing_picture_and_text_only_chats_equals_one_at_a_time():
+    """A picture chat and two text-only chats of different lengths in one batch: the rows share the processor's keys
+    (empty image inputs without a picture) and padding counts as text, so each row answers as it does alone."""
+    from training.data import qa_example, random_sample
+
+    pipe = pipeline("image-text-to-text", model=str(DEFAULT))
+    chats = [qa_example(random_sample(random.Random(5)), 0)["messages"],
+             [{"role": "user", "content": [{"type": "text", "text": "What does a Python list hold?"}]}],
+             [{"role": "user", "content": "Hello"}]]
+    settings = dict(max_new_tokens=4, return_full_text=False, generate_kwargs={"do_sample": False})
+    batched = [row[0]["generated_text"] for row in pipe(text=chats, batch_size=3, **settings)]
+    single = [pipe(text=messages, **settings)[0]["generated_text"] for messages in chats]
+    assert batched == single
+
 # issue 20, finding 6: the tokenizer carries the chat template; AutoImageProcessor loads the shipped checkpoint
 
 

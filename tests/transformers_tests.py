@@ -4,7 +4,9 @@
 use the sdist is fetched from the package index with pip (`pip download --no-binary :all: --no-deps
 transformers==5.24.0`) into `~/.cache/deepseek-v41-tests/` (or `$DEEPSEEK_V41_TESTS_CACHE`), its `tests/` folder is
 extracted, and it is made importable as the package `hf_transformers_tests` (so it never clashes with this repo's
-`tests/`). A failed fetch raises `RuntimeError` with pip's reason: the mixin tests fail loudly, they are not skipped.
+`tests/`). When the sdist is not cached and cannot be fetched (an offline machine), the test modules that use the
+mixins are skipped with pip's reason and the way to provide it; `DEEPSEEK_V41_REQUIRE_MIXINS=1` makes that an error
+(`RuntimeError`) instead, for a CI that must run them.
 
 The sdist lacks the empty `tests/__init__.py` (created in the cache) and four things its top-level test files import; the harness gives each a stand-in:
 - `tests/generation/` (`GenerationTesterMixin`) and `tests/exporters/` (`ExportTesterMixin`), imported by
@@ -150,13 +152,16 @@ def _fetch_sdist() -> Path:
     CACHE.mkdir(parents=True, exist_ok=True)
     archive = CACHE / f"transformers-{TRANSFORMERS_VERSION}.tar.gz"
     if not archive.exists():
-        command = [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
-                   f"transformers=={TRANSFORMERS_VERSION}", "-d", str(CACHE)]
+        command = [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps", "--retries", "1",
+                   "--timeout", "20", f"transformers=={TRANSFORMERS_VERSION}", "-d", str(CACHE)]
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0 or not archive.exists():
-            raise RuntimeError(
-                f"Could not fetch the transformers {TRANSFORMERS_VERSION} source distribution for its common test "
-                f"mixins ({' '.join(command)} exited {result.returncode}):\n{result.stderr[-2000:]}"
+            _unavailable(
+                f"transformers' common test mixins need the transformers {TRANSFORMERS_VERSION} source distribution, "
+                f"which is not cached in {CACHE} and could not be fetched (pip download transformers=="
+                f"{TRANSFORMERS_VERSION} exited {result.returncode}: {_last_line(result.stderr)}). Run the tests once "
+                f"with access to the package index, or put transformers-{TRANSFORMERS_VERSION}.tar.gz into {CACHE} "
+                "(the folder $DEEPSEEK_V41_TESTS_CACHE names, if set)."
             )
     prefix = f"transformers-{TRANSFORMERS_VERSION}/tests/"
     with tarfile.open(archive) as tar:
@@ -164,6 +169,20 @@ def _fetch_sdist() -> Path:
         tar.extractall(CACHE, members=members, filter="data")
     marker.write_text("ok\n")
     return root
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else "no message"
+
+
+def _unavailable(reason: str) -> None:
+    """Skip the calling test module (it is being collected), or raise with DEEPSEEK_V41_REQUIRE_MIXINS=1."""
+    if os.environ.get("DEEPSEEK_V41_REQUIRE_MIXINS") == "1":
+        raise RuntimeError(reason)
+    import pytest
+
+    pytest.skip(reason, allow_module_level=True)
 
 
 def _stand_in_url_to_local_path(url: str) -> str:

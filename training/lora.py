@@ -51,6 +51,18 @@ def add_lora(model, **kwargs):
     return get_peft_model(model, lora_config(**kwargs))
 
 
+def load_lora(model, adapter_dir, **kwargs):
+    """Deprecated (removed in the next release): `peft.PeftModel.from_pretrained(model, adapter_dir, **kwargs)`."""
+    import warnings
+
+    from peft import PeftModel
+
+    warnings.warn("training.lora.load_lora is deprecated and will be removed in the next release: use "
+                  "peft.PeftModel.from_pretrained(model, adapter_dir), which loads these adapters as they are.",
+                  FutureWarning, stacklevel=2)
+    return PeftModel.from_pretrained(model, adapter_dir, **kwargs)
+
+
 def adapter_weights(model, r: int = 8, target_modules: str | None = None) -> int:
     """How many LoRA weights `lora_config(r=r)` adds to `model`: r x (in + out) per matched linear (works on the
     meta device, so it sizes the released model without its weights)."""

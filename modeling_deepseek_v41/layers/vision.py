@@ -190,6 +190,8 @@ def embed_images(
         offset += count
     if offset != pixel_values.shape[0]:
         raise ValueError(f"image_grids account for {offset} patches but pixel_values has {pixel_values.shape[0]}.")
+    if not outputs:  # a text without images (the processor's empty image inputs)
+        return pixel_values.new_empty((0, aligner.w2.out_features), dtype=aligner.w2.weight.dtype)
     return torch.cat(outputs, dim=0)
 
 

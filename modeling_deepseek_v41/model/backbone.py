@@ -373,8 +373,8 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         """Token embeddings with every image span overwritten: delimiters by the learned vectors, image slots by
         the ViT + aligner features in reading order."""
         hidden = self.embed(input_ids)
-        if pixel_values is None:
-            return hidden
+        if pixel_values is None or (pixel_values.shape[0] == 0 and not self.config.vision_enabled):
+            return hidden  # the processor gives every text its (possibly empty) image inputs
         if not self.config.vision_enabled:
             raise ValueError("pixel_values were given but this checkpoint has no vision tower (vision_config).")
         if token_types is None or image_grids is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +55,13 @@ class DeepseekV41ForCausalLM(DeepseekV41GenerationMixin, DeepseekV41PreTrainedMo
     @property
     def quantized(self) -> bool:
         return self.model.quantized
+
+    @property
+    def mtp(self) -> nn.ModuleList:
+        """Deprecated (removed in the next release): the DSpark drafter blocks are `model.model.mtp`."""
+        warnings.warn("DeepseekV41ForCausalLM.mtp is deprecated and will be removed in the next release: the DSpark "
+                      "drafter blocks live in the base model, model.model.mtp.", FutureWarning, stacklevel=2)
+        return self.model.mtp
 
     def get_input_embeddings(self) -> nn.Module:
         return self.model.embed

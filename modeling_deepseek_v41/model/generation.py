@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -16,7 +17,7 @@ from transformers import GenerationMixin
 
 from ..cache.cache import DeepseekV41Cache
 from ..cache.graph_decoder import GenerationGraphs, check_graph_decoding
-from ..layers.vision import TOKEN_TYPE_TEXT
+from ..layers.vision import TOKEN_TYPE_IMAGE_START, TOKEN_TYPE_TEXT
 from .dspark import DSparkCandidateGenerator, dspark_generation_config
 from .inputs import check_generate_inputs
 from .invalid_logits import with_invalid_logits_check
@@ -50,6 +51,10 @@ class DeepseekV41GenerationMixin(GenerationMixin):
         device; not with DSpark or beam search). Pass a dict as `generation_stats` to get the call's measured
         speed, cache size and draft acceptance in it. `cache_implementation`: None or "dynamic" (the model's own
         growing DeepseekV41Cache) or "static" (the same as `cuda_graphs=True`); others are refused."""
+        types, mask = kwargs.get("token_types"), kwargs.get("attention_mask")
+        if isinstance(types, torch.Tensor) and isinstance(mask, torch.Tensor) and types.shape == mask.shape:
+            # padding is text, whatever a collator filled in (a pipeline pads every unknown key with 0)
+            kwargs["token_types"] = types.masked_fill(mask == 0, TOKEN_TYPE_TEXT)
         check_generate_inputs(self.config, args, kwargs)
         implementation = kwargs.pop("cache_implementation", None)
         use_dspark = kwargs.pop("use_dspark", None)
@@ -89,9 +94,19 @@ class DeepseekV41GenerationMixin(GenerationMixin):
                 run.graphs.close()
             if isinstance(cache, DeepseekV41Cache):
                 cache.generation_run = None
+        stats = self._generation_stats(output, args, kwargs, elapsed, cache, run.drafter)
         if generation_stats is not None:
-            generation_stats.update(self._generation_stats(output, args, kwargs, elapsed, cache, run.drafter))
+            generation_stats.update(stats)
+        self._deprecated_last_stats = stats  # read only by the deprecated last_generation_stats; goes with it
         return output
+
+    @property
+    def last_generation_stats(self) -> dict | None:
+        """Deprecated (removed in the next release): pass a dict as `generate(..., generation_stats=stats)`."""
+        warnings.warn("model.last_generation_stats is deprecated and will be removed in the next release: pass a "
+                      "dict as generate(..., generation_stats=stats) (or a pipeline's generate_kwargs) and read it.",
+                      FutureWarning, stacklevel=2)
+        return self.__dict__.get("_deprecated_last_stats")
 
     def _resolve_cache_implementation(self, implementation: str | None, kwargs: dict) -> bool:
         """Check the requested cache implementation (argument or generation config) and clear it from the config
@@ -103,6 +118,13 @@ class DeepseekV41GenerationMixin(GenerationMixin):
                 f"cache_implementation={implementation!r} is not supported by DeepSeek-V4.1, whose cache holds "
                 "compressed CSA2 pools (DeepseekV41Cache): use None or 'dynamic' (the default growing cache) or "
                 "'static' (fixed buffers replayed from a CUDA graph, the same as cuda_graphs=True; CUDA only)."
+            )
+        if implementation == "static" and self.device.type != "cuda":
+            raise ValueError(
+                f"cache_implementation='static' is DeepSeek-V4.1's CUDA-graph decoding (fixed cache buffers whose "
+                f"one-token steps replay a recorded CUDA graph), which needs the model on a CUDA device; this one is "
+                f"on {self.device}. On a GPU, load with device_map='cuda' (or call model.to('cuda')); on the CPU, "
+                "leave cache_implementation unset (or 'dynamic'): the model's growing DeepseekV41Cache."
             )
         if getattr(config, "cache_implementation", None) is not None:
             config = copy.deepcopy(config)
@@ -162,7 +184,8 @@ class DeepseekV41GenerationMixin(GenerationMixin):
         cache = kwargs.get("cache")
         if cache is not None and cache.pending_replay:
             cache.check_extends(input_ids)
-        continuing = cache is not None and cache.get_seq_length() > 0 and not is_first
+        cached = cache.get_seq_length() if cache is not None else 0
+        continuing = cached > 0 and not is_first
         token_types = kwargs.pop("token_types", None)
         model_inputs = super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
         for key in ("pixel_values", "image_grids"):
@@ -174,7 +197,31 @@ class DeepseekV41GenerationMixin(GenerationMixin):
             width = model_inputs["input_ids"].shape[1]
             types = extend_token_types(token_types, input_ids.shape[-1] - token_types.shape[-1])
             model_inputs["token_types"] = types[:, -width:]
+            if cached > 0 and model_inputs.get("pixel_values") is not None:  # a later turn: earlier images are cached
+                model_inputs["pixel_values"], model_inputs["image_grids"] = uncached_images(
+                    types, model_inputs["pixel_values"], model_inputs["image_grids"], types.shape[1] - width)
         return model_inputs
+
+
+def uncached_images(token_types: torch.Tensor, pixel_values: torch.Tensor, image_grids: torch.Tensor,
+                    cached: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The patches and grids of the images whose spans start after the first `cached` columns (the cache already
+    holds the others: a conversation's later turn repeats its earlier images). None, None when all are cached."""
+    rows, columns = (token_types == TOKEN_TYPE_IMAGE_START).nonzero(as_tuple=True)  # reading order, as the images
+    if rows.numel() != image_grids.shape[0]:
+        raise ValueError(f"token_types mark {rows.numel()} image spans but image_grids describes "
+                         f"{image_grids.shape[0]} images; pass the processor's outputs for the same prompt.")
+    new_part = token_types[:, cached:]
+    first_span = torch.where(new_part == TOKEN_TYPE_IMAGE_START, 0, 1).cumprod(dim=1).bool()
+    if bool(((new_part > TOKEN_TYPE_IMAGE_START) & first_span).any()):
+        raise ValueError(f"The cache ends inside an image span (after column {cached}): a prompt continues a cache "
+                         "only after a whole image. Crop the cache before the image (cache.crop) or use a new cache.")
+    keep = columns >= cached
+    patches = image_grids[:, 0] * image_grids[:, 1]
+    patch_keep = torch.repeat_interleave(keep.to(pixel_values.device), patches.to(pixel_values.device))
+    if not bool(keep.any()):
+        return None, None
+    return pixel_values[patch_keep], image_grids[keep]
 
 
 def extend_token_types(token_types: torch.Tensor, num_new_tokens: int) -> torch.Tensor:

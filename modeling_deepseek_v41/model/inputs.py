@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..cache.cache import DeepseekV41Cache
 from ..kernels.dispatch import fast_path
 
 
@@ -67,13 +68,49 @@ def check_generate_inputs(config, args: tuple, kwargs: dict) -> None:
     """generate()'s prompt, checked like a forward's input before transformers prepares anything (a prompt's mask
     covers exactly its ids, even with a restored cache)."""
     input_ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
-    if input_ids is None:
-        return  # transformers builds a prompt from the BOS token or reports the missing input itself
-    check_forward_inputs(config, input_ids, kwargs.get("attention_mask"), kwargs.get("token_types"),
-                         kwargs.get("pixel_values"))
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    if getattr(cache, "pending_replay", False):  # a restored prefix: the prompt must start with its saved tokens
+    if input_ids is not None:  # without, transformers builds a prompt from the BOS token or reports the missing input
+        check_forward_inputs(config, input_ids, kwargs.get("attention_mask"), kwargs.get("token_types"),
+                             kwargs.get("pixel_values"))
+    check_generate_cache(kwargs.get("cache", kwargs.get("past_key_values")), input_ids)
+
+
+def check_generate_cache(cache, input_ids: torch.Tensor | None) -> None:
+    """A cache given to generate() is a DeepseekV41Cache, and the prompt extends the tokens it holds (the earlier
+    turns' prompt and reply, then at least one new token)."""
+    if cache is None:
+        return
+    if not isinstance(cache, DeepseekV41Cache):
+        raise ValueError(
+            f"generate() got a {type(cache).__name__} as its cache, but DeepSeek-V4.1 keeps compressed CSA2 pools, "
+            "FP8 window rings and the Engram history that only a DeepseekV41Cache holds: pass "
+            "DeepseekV41Cache(model.config) (from modeling_deepseek_v41.cache), or no cache (generate() creates one)."
+        )
+    cached = cache.get_seq_length()
+    if not cached or input_ids is None:
+        return
+    if cache.batch_size != input_ids.shape[0]:
+        raise ValueError(
+            f"The cache holds {cache.batch_size} rows but the prompt has {input_ids.shape[0]}: a cache continues the "
+            "rows it was filled with (one per prompt row; after beam search or num_return_sequences, one per beam or "
+            "sequence). Pass the same rows, or a new cache."
+        )
+    if input_ids.shape[1] <= cached:
+        raise ValueError(
+            f"The prompt does not extend the cache: it has {input_ids.shape[1]} columns and the cache already holds "
+            f"{cached}. A prompt given with a cache must be the cached tokens (the earlier prompt and reply) followed "
+            "by at least one new token; pass the whole conversation so far plus the new turn, or a new cache."
+        )
+    if cache.pending_replay:  # a restored prefix: its own check names the saved prefix
         cache.check_extends(input_ids)
+        return
+    try:
+        cache.check_extends(input_ids)
+    except ValueError:
+        raise ValueError(
+            f"The prompt does not extend the cache: its first {cached} columns differ from the tokens the cache "
+            "holds (the earlier prompt and reply). Pass the whole conversation so far, unchanged, plus the new "
+            "turn, or a new cache."
+        ) from None
 
 
 def cache_in_use(use_cache: bool | None, default: bool, cache) -> bool:
