@@ -56,7 +56,8 @@ def _hc_case(dtype: torch.dtype, rows: int, dim: int, seed: int = 0):
     scale, base = (torch.rand(3, generator=g) + 0.5).to(acc), torch.randn(24, generator=g).to(acc)
     norm = _Norm((torch.rand(dim, generator=g) + 0.5).to(dtype), 1e-20)
     output = torch.randn(1, rows, dim, generator=g).to(dtype)
-    written = mhc.HyperMix(torch.rand(1, rows, hc, generator=g).to(acc), 2 * torch.rand(1, rows, hc, generator=g).to(acc),
+    written = mhc.HyperMix(torch.rand(1, rows, hc, generator=g).to(acc),
+                           2 * torch.rand(1, rows, hc, generator=g).to(acc),
                            torch.rand(1, rows, hc, hc, generator=g).to(acc))
     mix = mhc.MixWeights(fn, scale, base, 20, 1e-6, 1e-20)
     return streams, read, mix, norm, output, written

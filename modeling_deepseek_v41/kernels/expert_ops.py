@@ -1,16 +1,20 @@
-"""The MoE's ops between its GEMMs: routing (scores, biased top-k, routing weights) and the clamped SwiGLU.
-Each is the reference's math here, and one launch on CUDA inference (`triton/routing.py`)."""
+"""The MoE's ops: routing (scores, biased top-k, routing weights), the clamped SwiGLU, and the routed experts'
+formulations over weights stacked per projection [E, ...]. Routing and SwiGLU are the reference's math here and one
+launch on CUDA inference (`triton/routing.py`); the stacked experts run the grouped Triton MoE there, and gather
+the chosen experts' weights on another accelerator (few tokens, no host read)."""
 
 from __future__ import annotations
 
 import torch
 from torch.nn import functional as F
 
-from .dispatch import kernel_path
-from .numerics import compute_dtype
+from .dispatch import fast_path, kernel_path
+from .gpu_linear import grouped_moe
+from .numerics import compute_dtype, dequantize_fp4_weight, fp8_act_qdq
 from .sparse_attention import stable_topk_indices
 
 FUSED_SCORING = "sqrtsoftplus"  # the released model's scoring, the one the routing launch computes
+GATHER_MAX_TOKENS = 16  # up to this many tokens, an accelerator gathers the chosen experts' weights (no host sync)
 
 
 def gate_scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
@@ -59,3 +63,59 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, weights: torch.Te
     if weights is not None:
         h = weights * h
     return h.to(out_dtype)
+
+
+def runs_stacked(tokens: torch.Tensor) -> bool:
+    """Whether routed experts for these tokens run on stacked weights (`stacked_experts`): CUDA inference (the
+    grouped kernel, any token count) or an accelerator's few-token steps (the gathered formulation)."""
+    return kernel_path(tokens) or (fast_path(tokens) and tokens.shape[0] <= GATHER_MAX_TOKENS)
+
+
+def sum_in_slot_order(contributions: torch.Tensor) -> torch.Tensor:
+    """Each token's [T, k, D] contributions summed in slot order in the compute dtype (the reference's order once
+    the slots hold ascending expert ids)."""
+    y = torch.zeros(contributions.shape[0], contributions.shape[2], dtype=compute_dtype(contributions),
+                    device=contributions.device)
+    for slot in range(contributions.shape[1]):
+        y = y + contributions[:, slot]
+    return y
+
+
+def stacked_experts(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, stacks: tuple,
+                    limit: float) -> torch.Tensor:
+    """The routed experts' sum [T, D] in the compute dtype, each token's experts in ascending id, from the
+    stacked weights (w1, s1, w3, s3, w2, s2): one grouped launch per projection on CUDA inference, else gathered."""
+    if kernel_path(tokens) and tokens.dtype in (torch.bfloat16, torch.float16, torch.float32):
+        return grouped_moe(tokens, experts, weights, stacks, limit).to(compute_dtype(tokens))
+    order = experts.argsort(dim=-1, stable=True)
+    return sum_in_slot_order(gathered_swiglu(tokens, experts.gather(1, order), weights.gather(1, order), limit,
+                                             *stacks))
+
+
+def gathered_linear(x: torch.Tensor, experts: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None
+                    ) -> torch.Tensor:
+    """Row n of x [N, in] through the stacked projection weight [E, out, in] of expert experts[n], with
+    DeepseekV41Linear's numerics (FP8 activation QDQ and fp32 products for FP4 weights)."""
+    weight = weight[experts]
+    if scale is None:
+        return torch.bmm(x.to(weight.dtype).unsqueeze(1), weight.transpose(1, 2)).squeeze(1)
+    x = fp8_act_qdq(x)
+    weight = dequantize_fp4_weight(weight, scale[experts])
+    return torch.bmm(x.float().unsqueeze(1), weight.transpose(1, 2)).squeeze(1).to(x.dtype)
+
+
+def gathered_swiglu(tokens: torch.Tensor, experts: torch.Tensor, route_weights: torch.Tensor, limit: float,
+                    w1: torch.Tensor, s1: torch.Tensor | None, w3: torch.Tensor, s3: torch.Tensor | None,
+                    w2: torch.Tensor, s2: torch.Tensor | None) -> torch.Tensor:
+    """Contributions [T,k,D] of each token's experts [T,k] with routing weights [T,k], as DeepseekV41Expert
+    computes them, from the stacked weights."""
+    k = experts.shape[1]
+    ids = experts.reshape(-1)
+    x = tokens.repeat_interleave(k, dim=0)
+    acc = compute_dtype(tokens)
+    gate, up = gathered_linear(x, ids, w1, s1).to(acc), gathered_linear(x, ids, w3, s3).to(acc)
+    if limit > 0:
+        up = up.clamp(-limit, limit)
+        gate = gate.clamp(max=limit)
+    h = route_weights.reshape(-1, 1) * (F.silu(gate) * up)
+    return gathered_linear(h.to(tokens.dtype), ids, w2, s2).to(tokens.dtype).view(*experts.shape, -1)

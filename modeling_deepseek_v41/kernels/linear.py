@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .dispatch import kernel_path
-from .gpu_linear import dense_kernel_applies, gpu_linear, gpu_linear_input_grad, triton_kernels
+from .gpu_linear import dense_kernel_applies, gpu_linear, gpu_linear_input_grad, grouped_linear, triton_kernels
 from .numerics import (
     WEIGHT_BLOCK, compute_dtype, dequantize_fp4_weight, dequantize_fp8_weight, fp8_act_qdq, weight_dtype,
 )
@@ -127,6 +127,17 @@ class DeepseekV41Weight(nn.Module):
     def dense_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight as a dense matrix (exact: FP8/FP4 values times power-of-two scales)."""
         return dequantize_stored(self.weight, self.scale, self.storage, dtype)
+
+    def grouped(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., G, in/G] times each of the G groups' rows of the weight [out, in/G] (block-diagonal, as the
+        attention's wo_a), exactly in x's dtype and without activation QDQ: [..., G, out/G]. On CUDA inference
+        the grouped kernel dequantizes FP8 tiles in registers (no whole-weight copy; batch invariant for decode)."""
+        groups = x.shape[-2]
+        rows = self.weight.shape[0] // groups  # the weight as held (a tensor-parallel rank holds its groups)
+        if kernel_path(x) and x.dtype in (torch.bfloat16, torch.float32) and (rows % WEIGHT_BLOCK == 0
+                                                                             or not self.is_quantized):
+            return grouped_linear(x, self.weight, self.scale, groups)
+        return torch.einsum("...gd,grd->...gr", x, self.dense_weight(x.dtype).view(groups, rows, -1))
 
     @torch.no_grad()
     def dequantize_(self, dtype: torch.dtype = torch.bfloat16) -> None:

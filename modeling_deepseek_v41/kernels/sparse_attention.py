@@ -139,7 +139,8 @@ def attend_stored(q: torch.Tensor, rotation: torch.Tensor, rope_dim: int, positi
     max(0, p-window+1) onward, `ring.width` of them, those the ring holds at or below p and at or above `floor`),
     then to the pool rows `selected` [B,S,k] (-1: none), with `sparse_attention`'s numerics; the output gets the
     inverse RoPE. On CUDA inference one fused launch; otherwise the entries are unpacked and listed here."""
-    if kernel_path(q) and q.shape[-1] % 64 == 0 and (q.shape[-1] - rope_dim) % 2 == 0:
+    dim = q.shape[-1]
+    if kernel_path(q) and dim >= 64 and dim & (dim - 1) == 0 and rope_dim % 2 == 0:  # the launch's dim chunks
         from .triton import stored_attention
         return stored_attention(q, rotation, rope_dim, positions, floor, window, ring, pool, selected, sink,
                                 softmax_scale)

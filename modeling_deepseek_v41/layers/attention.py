@@ -7,16 +7,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..config.layer_plan import LayerSpec
+from ..kernels.linear import DeepseekV41Linear, DeepseekV41RMSNorm, DeepseekV41Weight
+from ..kernels.numerics import fp4_quantize_rows, weight_dtype
+from ..kernels.sparse_attention import attend_stored, sparse_attention, window_kv
 from .compressor import DeepseekV41Compressor
 from .indexer import QUERY_CHUNK, DeepseekV41Indexer  # queries attended per step: as many as are indexed
-from ..config.layer_plan import LayerSpec
-from ..kernels.linear import DeepseekV41RMSNorm
-from ..kernels.numerics import fp4_quantize_rows, weight_dtype
-from ..kernels.dispatch import kernel_path
-from ..kernels.gpu_linear import grouped_linear
-from ..kernels.linear import DeepseekV41Linear, DeepseekV41Weight
 from .rotary import apply_rope_tail, rope_angles
-from ..kernels.sparse_attention import attend_stored, sparse_attention, window_kv
 
 POOL_FP4_BLOCK = 16  # compressed KV: FP4 with E4M3 scales per 16 values
 
@@ -92,13 +89,7 @@ class DeepseekV41Attention(nn.Module):
 
     def _output(self, o: torch.Tensor) -> torch.Tensor:
         batch, seq = o.shape[:2]
-        o = o.reshape(batch, seq, self.n_groups, -1)
-        if kernel_path(o) and (self.o_lora_rank % 32 == 0 or not self.wo_a.is_quantized):
-            # FP8 tiles dequantized in the kernel (no whole-weight copy per call); batch invariant for decode
-            o = grouped_linear(o, self.wo_a.weight, self.wo_a.scale, self.n_groups)
-        else:
-            wo_a = self.wo_a.dense_weight(o.dtype).view(self.n_groups, self.o_lora_rank, -1)
-            o = torch.einsum("bsgd,grd->bsgr", o, wo_a)
+        o = self.wo_a.grouped(o.reshape(batch, seq, self.n_groups, -1))
         return self.wo_b(o.flatten(2))
 
     def query_heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

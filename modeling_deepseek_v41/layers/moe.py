@@ -6,14 +6,12 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
-from ..kernels.dispatch import fast_path, kernel_path
-from ..kernels.gpu_linear import grouped_moe
-from ..kernels.numerics import compute_dtype, dequantize_fp4_weight, fp8_act_qdq, weight_dtype
-from ..kernels.linear import STORAGE_FP8, DeepseekV41Linear
-from ..kernels.linear import row_invariant_linear
-from ..kernels.expert_ops import gate_scores, route, swiglu  # noqa: F401  (gate_scores: the layers' import point)
+from ..kernels.expert_ops import (  # noqa: F401  (gate_scores: the layers' import point)
+    gate_scores, route, runs_stacked, stacked_experts, sum_in_slot_order, swiglu,
+)
+from ..kernels.linear import STORAGE_FP8, DeepseekV41Linear, row_invariant_linear
+from ..kernels.numerics import compute_dtype, weight_dtype
 
 
 class DeepseekV41Gate(nn.Module):
@@ -58,7 +56,6 @@ class DeepseekV41Expert(nn.Module):
         return self.w2(swiglu(self.w1(x), self.w3(x), self.swiglu_limit, weights, x.dtype))
 
 
-GATHER_MAX_TOKENS = 16  # up to this many tokens, an accelerator gathers the chosen experts' weights (no host sync)
 PROJECTIONS = ("w1", "w2", "w3")
 
 
@@ -97,35 +94,6 @@ class ExpertStack:
         return tuple(t for name in ("w1", "w3", "w2") for t in self.stacks[name])
 
 
-def gathered_linear(x: torch.Tensor, experts: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None
-                    ) -> torch.Tensor:
-    """Row n of x [N, in] through the stacked projection weight [E, out, in] of expert experts[n], with
-    DeepseekV41Linear's numerics (FP8 activation QDQ and fp32 products for FP4 weights)."""
-    weight = weight[experts]
-    if scale is None:
-        return torch.bmm(x.to(weight.dtype).unsqueeze(1), weight.transpose(1, 2)).squeeze(1)
-    x = fp8_act_qdq(x)
-    weight = dequantize_fp4_weight(weight, scale[experts])
-    return torch.bmm(x.float().unsqueeze(1), weight.transpose(1, 2)).squeeze(1).to(x.dtype)
-
-
-def gathered_swiglu(tokens: torch.Tensor, experts: torch.Tensor, route_weights: torch.Tensor, limit: float,
-                    w1: torch.Tensor, s1: torch.Tensor | None, w3: torch.Tensor, s3: torch.Tensor | None,
-                    w2: torch.Tensor, s2: torch.Tensor | None) -> torch.Tensor:
-    """Contributions [T,k,D] of each token's experts [T,k] with routing weights [T,k], as DeepseekV41Expert
-    computes them, from the stacked weights."""
-    k = experts.shape[1]
-    ids = experts.reshape(-1)
-    x = tokens.repeat_interleave(k, dim=0)
-    acc = compute_dtype(tokens)
-    gate, up = gathered_linear(x, ids, w1, s1).to(acc), gathered_linear(x, ids, w3, s3).to(acc)
-    if limit > 0:
-        up = up.clamp(-limit, limit)
-        gate = gate.clamp(max=limit)
-    h = route_weights.reshape(-1, 1) * (F.silu(gate) * up)
-    return gathered_linear(h.to(tokens.dtype), ids, w2, s2).to(tokens.dtype).view(*experts.shape, -1)
-
-
 @torch.compiler.disable  # rebinds parameters: runs eagerly, once, even inside a compiled decode step
 def _build_stack(experts: nn.ModuleList) -> ExpertStack | None:
     return ExpertStack(experts) if ExpertStack.can_stack(experts) else None
@@ -159,23 +127,14 @@ class DeepseekV41MoE(nn.Module):
         tokens = x.reshape(-1, shape[-1])
         weights, experts, logits = self.gate(tokens, None if image_mask is None else image_mask.reshape(-1))
         stack = self._expert_stack(tokens)
-        if stack is not None and kernel_path(tokens):  # one grouped launch per projection, any token count
-            routed = grouped_moe(tokens, experts, weights, stack.tensors(), self.experts[0].swiglu_limit)
-            y = routed.to(compute_dtype(x)) + self.shared_experts(tokens)
-            return y.to(x.dtype).view(shape), logits, experts
-        order = experts.argsort(dim=-1, stable=True)  # per token, visit its experts in ascending id
-        sorted_experts = experts.gather(1, order)
-        sorted_weights = weights.gather(1, order)
-        if stack is not None:
-            contributions = gathered_swiglu(tokens, sorted_experts, sorted_weights, self.experts[0].swiglu_limit,
-                                            *stack.tensors())
+        if stack is not None:  # the stacked weights' formulations (an accelerator's inference)
+            y = stacked_experts(tokens, experts, weights, stack.tensors(), self.experts[0].swiglu_limit)
         else:
-            contributions = self._per_expert(tokens, sorted_experts, sorted_weights)
-        if self.reduce_contributions is not None:
-            contributions = self.reduce_contributions(contributions)
-        y = torch.zeros(tokens.shape, dtype=compute_dtype(x), device=x.device)
-        for slot in range(contributions.shape[1]):
-            y = y + contributions[:, slot]
+            order = experts.argsort(dim=-1, stable=True)  # per token, visit its experts in ascending id
+            contributions = self._per_expert(tokens, experts.gather(1, order), weights.gather(1, order))
+            if self.reduce_contributions is not None:
+                contributions = self.reduce_contributions(contributions)
+            y = sum_in_slot_order(contributions)
         y = y + self.shared_experts(tokens)
         return y.to(x.dtype).view(shape), logits, experts
 
@@ -207,11 +166,9 @@ class DeepseekV41MoE(nn.Module):
         return contributions
 
     def _expert_stack(self, tokens: torch.Tensor) -> ExpertStack | None:
-        """The stacked expert weights when this call takes the grouped kernel (CUDA inference) or the gathered path
-        (few tokens, the accelerator formulation); None with expert parallelism (each rank runs its own experts)."""
-        if self.expert_range is not None:
-            return None
-        if not kernel_path(tokens) and (not fast_path(tokens) or tokens.shape[0] > GATHER_MAX_TOKENS):
+        """The stacked expert weights when this call takes a stacked formulation (expert_ops.runs_stacked); None
+        with expert parallelism (each rank runs its own experts)."""
+        if self.expert_range is not None or not runs_stacked(tokens):
             return None
         if self._stack is None or (not torch.compiler.is_compiling()
                                    and self._stack.key != ExpertStack.key_of(self.experts)):

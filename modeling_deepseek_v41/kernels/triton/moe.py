@@ -2,10 +2,10 @@
 
 Pairs are sorted by expert on the device and cut into blocks of BM rows of one expert; the number of blocks
 launched is a bound from the shapes (min(E, T*k) + ceil(T*k / BM)), so a step is capturable in a CUDA graph at any
-batch size, and blocks past the real count exit at once. The numerics follow DeepseekV41MoE.forward with
-gathered_swiglu: gate and up rounded to the activation dtype, clamped, h = route_weight * (silu(gate) * up) in fp32
-and rounded to the activation dtype, FP8 QDQ of h (quantized experts), w2 rounded to the activation dtype, then
-each token's k contributions summed in fp32 in ascending expert order.
+batch size, and blocks past the real count exit at once. The numerics follow expert_ops.gathered_swiglu: gate and
+up rounded to the activation dtype, clamped, h = route_weight * (silu(gate) * up) in fp32 and rounded to the
+activation dtype, FP8 QDQ of h (quantized experts), w2 rounded to the activation dtype, then each token's k
+contributions summed in fp32 in ascending expert order.
 """
 
 from __future__ import annotations
