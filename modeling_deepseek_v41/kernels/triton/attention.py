@@ -91,6 +91,18 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _query_row(r, S, pos_ptr, floor_ptr, window, HAS_FLOOR: tl.constexpr):
+    """(batch row, position, first listed window position, lowest visible position) of query row r."""
+    b = r // S
+    p = tl.load(pos_ptr + r)
+    lowest = tl.maximum(p - window + 1, 0)
+    lowest_visible = lowest * 0
+    if HAS_FLOOR:
+        lowest_visible = tl.load(floor_ptr + b)
+    return b, p, lowest, lowest_visible
+
+
+@triton.jit
 def _block_entries(j, n_window, lane, r, b, p, lowest, lowest_visible, width, ring_size, n_topk, ring_pos_ptr,
                    topk_ptr, stride_rpb, stride_tr, HAS_FLOOR: tl.constexpr):
     """Block j of the row's entry list: (whether it is a window block, the ring slots or pool rows [BL] it lists,
@@ -133,12 +145,7 @@ def _attention_logits_kernel(q_ptr, rot_ptr, logits_ptr, pos_ptr, floor_ptr, rin
     j = tl.program_id(1)
     heads = tl.program_id(2) * BH + tl.arange(0, BH)
     h_ok = heads < H
-    b = r // S
-    p = tl.load(pos_ptr + r)
-    lowest = tl.maximum(p - window + 1, 0)
-    lowest_visible = 0
-    if HAS_FLOOR:
-        lowest_visible = tl.load(floor_ptr + b)
+    b, p, lowest, lowest_visible = _query_row(r, S, pos_ptr, floor_ptr, window, HAS_FLOOR)
     lane = tl.arange(0, BL)
     in_window, index, valid = _block_entries(j, n_window, lane, r, b, p, lowest, lowest_visible, width, ring_size,
                                              n_topk, ring_pos_ptr, topk_ptr, stride_rpb, stride_tr, HAS_FLOOR)
@@ -166,12 +173,7 @@ def _attention_output_kernel(rot_ptr, logits_ptr, o_ptr, sink_ptr, pos_ptr, floo
     heads = tl.program_id(1) * BH + tl.arange(0, BH)
     h_ok = heads < H
     o0 = tl.program_id(2) * DO
-    b = r // S
-    p = tl.load(pos_ptr + r)
-    lowest = tl.maximum(p - window + 1, 0)
-    lowest_visible = 0
-    if HAS_FLOOR:
-        lowest_visible = tl.load(floor_ptr + b)
+    b, p, lowest, lowest_visible = _query_row(r, S, pos_ptr, floor_ptr, window, HAS_FLOOR)
     lane = tl.arange(0, BL)
     m = tl.full([BH], -1e30, ACC)
     den = tl.full([BH], 0.0, ACC)
