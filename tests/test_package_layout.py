@@ -114,3 +114,23 @@ def test_no_file_over_the_line_limit():
     long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
             if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
     assert not long, f"files over {MAX_LINES} lines: {long}"
+
+
+DEVICE_TESTS = ("kernel_path", "fast_path", "is_cuda", "dispatch", "gpu_linear", "triton")
+
+
+def test_layers_never_test_the_device():
+    """The layers call ops; which implementation runs (exact, compiled, Triton) is chosen behind the op boundary in
+    kernels/, so no module under layers/ names a device predicate or imports the dispatch or the kernels."""
+    offenders = []
+    for path in sorted((PACKAGE / "layers").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = []
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [getattr(node, "module", None) or ""] + [alias.name for alias in node.names]
+            elif isinstance(node, (ast.Name, ast.Attribute)):
+                names = [node.id if isinstance(node, ast.Name) else node.attr]
+            hits = [n for n in names if any(part in DEVICE_TESTS for part in n.split("."))]
+            if hits:
+                offenders.append(f"{path.name}:{node.lineno} {hits}")
+    assert not offenders, offenders
