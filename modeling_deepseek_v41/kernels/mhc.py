@@ -3,7 +3,8 @@ device choice for each step. A block reads a sublayer's input from the `hc_mult`
 writes the sublayer's output back (`hc_write`), or both at once (`hc_write_read`, between its two sublayers).
 
 Each sublayer's mix coefficients come from the streams *before* it; its read weights (pre) are used one sublayer
-later. On CUDA inference each step is one Triton launch (`triton/mhc.py`); elsewhere the exact functions below.
+later. On CUDA inference each step is one or two Triton launches (`triton/mhc.py`); elsewhere the exact functions
+below.
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def hc_write(output: torch.Tensor, streams: torch.Tensor, written: HyperMix) -> 
 
 def hc_write_read(output: torch.Tensor, streams: torch.Tensor, written: HyperMix, mix: MixWeights,
                   norm: torch.nn.Module) -> tuple[torch.Tensor, HyperMix, torch.Tensor]:
-    """hc_write then hc_read of the next sublayer (whose read weights are `written.pre`), in one launch on CUDA:
+    """hc_write then hc_read of the next sublayer (whose read weights are `written.pre`), two launches on CUDA:
     (the new streams, the next sublayer's mixes, its normed input)."""
     if _fused(streams):
         from .triton import hc_step

@@ -1,4 +1,4 @@
-"""The mHC steps between sublayers in one launch: write a sublayer's output into the streams (expand), compute
+"""The mHC steps between sublayers in two launches: write a sublayer's output into the streams (expand), compute
 the next sublayer's mixes (fp32 projection, RMS statistic, Sinkhorn) and its input (collapse, RMSNorm).
 
 The math is `kernels.mhc`'s exact path, in its order: the expanded streams rounded to the streams' dtype before
