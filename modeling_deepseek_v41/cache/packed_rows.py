@@ -8,6 +8,9 @@ from __future__ import annotations
 import torch
 
 from ..kernels.numerics import (
+    INDEX_BLOCK,
+    POOL_KV_BLOCK,
+    WEIGHT_BLOCK,
     e8m0_bytes,
     fp4_dequantize_rows,
     fp4_quantize_rows,
@@ -31,9 +34,10 @@ class PackedRows:
         self.dim = dim
         # bytes are kept as uint8 (indexed writes are not implemented for the float8 dtypes) and viewed on read
         if fmt == "fp8_e8m0":
-            self.code_dtype, self.scale_dtype, code_width, block = torch.float8_e4m3fn, torch.float8_e8m0fnu, dim, 32
+            self.code_dtype, self.scale_dtype, code_width, block = (torch.float8_e4m3fn, torch.float8_e8m0fnu, dim,
+                                                                    WEIGHT_BLOCK)
         else:
-            code_width, block = dim // 2, (16 if fmt == "fp4_e4m3" else 32)
+            code_width, block = dim // 2, (POOL_KV_BLOCK if fmt == "fp4_e4m3" else INDEX_BLOCK)
             self.code_dtype = torch.uint8
             self.scale_dtype = torch.float8_e4m3fn if fmt == "fp4_e4m3" else torch.float8_e8m0fnu
         self.codes = torch.zeros(batch, capacity, code_width, dtype=torch.uint8, device=device)
@@ -62,7 +66,7 @@ class PackedRows:
     def _encode(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.fmt == "fp8_e8m0":
             return fp8_quantize_rows(values)
-        block, scale_format = (16, "e4m3") if self.fmt == "fp4_e4m3" else (32, "e8m0")
+        block, scale_format = (POOL_KV_BLOCK, "e4m3") if self.fmt == "fp4_e4m3" else (INDEX_BLOCK, "e8m0")
         return fp4_quantize_rows(values, block, scale_format)
 
     def _scale_bytes(self, scales: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,8 @@ import torch
 FP8_MAX = 448.0
 FP4_MAX = 6.0
 WEIGHT_BLOCK = 32  # FP8 weights: one scale per 32x32 tile; FP4 weights and activations: per 32 values
+POOL_KV_BLOCK = 16  # compressed KV rows: FP4 values with an E4M3 scale per 16
+INDEX_BLOCK = 32  # index queries and keys: FP4 values with an E8M0 scale per 32
 
 
 def weight_dtype(dtype: torch.dtype) -> torch.dtype:

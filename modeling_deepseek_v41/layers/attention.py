@@ -9,13 +9,12 @@ from torch import nn
 
 from ..config.layer_plan import LayerSpec
 from ..kernels.linear import DeepseekV41Linear, DeepseekV41RMSNorm, DeepseekV41Weight
-from ..kernels.numerics import fp4_quantize_rows, weight_dtype
+from ..kernels.numerics import POOL_KV_BLOCK, fp4_quantize_rows, weight_dtype
 from ..kernels.sparse_attention import attend_stored, sparse_attention, window_kv
 from .compressor import DeepseekV41Compressor
 from .indexer import QUERY_CHUNK, DeepseekV41Indexer  # queries attended per step: as many as are indexed
 from .rotary import apply_rope_tail, rope_angles
 
-POOL_FP4_BLOCK = 16  # compressed KV: FP4 with E4M3 scales per 16 values
 
 
 @dataclass
@@ -75,7 +74,7 @@ class DeepseekV41Attention(nn.Module):
         rotation = rope_angles(out.rows.clamp_min(0) * spec.ratio, inv_freq)
         keys, key_codes = self.indexer.keys(out.latents, rotation)
         rotated = apply_rope_tail(out.latents, rotation, self.rope_dim)
-        codes = fp4_quantize_rows(rotated, POOL_FP4_BLOCK, "e4m3")
+        codes = fp4_quantize_rows(rotated, POOL_KV_BLOCK, "e4m3")
         share.index_keys[source] = store.store_pool(source, out, rotated, codes, keys, key_codes, positions, x.dtype)
 
     def _window(self, kv: torch.Tensor, positions: torch.Tensor, share, queries: slice

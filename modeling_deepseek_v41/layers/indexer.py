@@ -6,12 +6,11 @@ import torch
 from torch import nn
 
 from ..kernels.linear import DeepseekV41RMSNorm
-from ..kernels.numerics import fp4_qdq, fp4_quantize_rows
+from ..kernels.numerics import INDEX_BLOCK, fp4_qdq, fp4_quantize_rows
 from ..kernels.linear import DeepseekV41Linear
 from .rotary import apply_rope_tail
 from ..kernels.sparse_attention import candidate_mask, candidate_positions, select_candidate_blocks, stable_topk_indices
 
-INDEX_FP4_BLOCK = 32
 QUERY_CHUNK = 1024  # queries scored per step of a long prefill
 GATHER_MAX_QUERIES = 64  # up to this many queries, Reindex layers score only their candidate blocks
 
@@ -45,7 +44,7 @@ class DeepseekV41Indexer(nn.Module):
         before FP4 and their FP4 (codes, scales). The store decides what to keep: the packed codes (a cache) or
         their values (a cache-less forward)."""
         k = apply_rope_tail(self.k_norm(self.wk(latents)), rotation, self.rope_dim)
-        return k, fp4_quantize_rows(k, INDEX_FP4_BLOCK, "e8m0")
+        return k, fp4_quantize_rows(k, INDEX_BLOCK, "e8m0")
 
     def forward(self, x: torch.Tensor, qr: torch.Tensor, rotation: torch.Tensor, keys: torch.Tensor,
                 visible: torch.Tensor, share) -> torch.Tensor:
@@ -54,7 +53,7 @@ class DeepseekV41Indexer(nn.Module):
         if callable(keys):  # a cache's packed keys, unpacked once per forward and shared by the pool's indexers
             keys = share.index_keys[self.spec.pool_source] = keys()
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
-        q = fp4_qdq(apply_rope_tail(q, rotation, self.rope_dim), INDEX_FP4_BLOCK, "e8m0")
+        q = fp4_qdq(apply_rope_tail(q, rotation, self.rope_dim), INDEX_BLOCK, "e8m0")
         weights = self.weights_proj(x) * (self.head_dim**-0.5 * self.n_heads**-0.5)
         k = min(self.topk, keys.shape[1])
         # decode-sized steps gather their candidate blocks' keys (cost independent of the pool length); prefills

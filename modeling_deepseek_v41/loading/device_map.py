@@ -129,7 +129,7 @@ def check_device_map(model: nn.Module, device_map: dict) -> None:
             f"This device_map puts attention layers on several devices ({sorted(map(str, devices))}). DeepSeek-V4.1 "
             "keeps the attention side (every attention, norm and mHC mix, and the cache) on one device and spreads "
             "only the MoE layers: use device_map='auto', or build a map with "
-            "modeling_deepseek_v41.device_map.deepseek_device_map(model, max_memory)."
+            "modeling_deepseek_v41.loading.device_map.deepseek_device_map(model, max_memory)."
         )
 
 

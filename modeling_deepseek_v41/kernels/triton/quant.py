@@ -6,9 +6,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ..numerics import WEIGHT_BLOCK
 from .common import abs_max, e2m1_value, pow2_ceil_scale, round_e4m3
 
-GROUP = 32
+GROUP = WEIGHT_BLOCK  # the FP8 activation QDQ's groups along a row
 
 
 @triton.jit
