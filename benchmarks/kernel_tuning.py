@@ -4,7 +4,7 @@ prints, per shape, each tiling's time at 1 and 32 rows (linears) or 1, 6 and 32 
 The decode tiling must be a function of the weight's shape alone (batch invariance), so a tiling is judged on
 every row count at once; the chosen ones are written into kernels/triton/linear.py and moe.py by hand.
 
-    python benchmarks/kernel_tuning.py [--out DIR]      # writes DIR/tuning.txt (default: $OUT or .)
+    python benchmarks/kernel_tuning.py [--out DIR] [--only moe|linears]   # writes DIR/tuning.txt (default: $OUT or .)
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from modeling_deepseek_v41.kernels.triton.linear import run_linear  # noqa: E402
 LINEARS = [(name, n, k, "fp8") for name, n, k in ATTENTION_AND_SHARED] + [("expert_w1", 2304, 5120, "fp4")]
 TILES = [dict(BN=bn, BM=bm, BK=bk, num_warps=w, num_stages=st) for bn, bm, bk, w, st in
          [(64, 32, 128, 4, 3), (64, 32, 256, 4, 3), (128, 32, 128, 8, 3), (128, 32, 256, 8, 3), (64, 32, 128, 4, 4),
-          (64, 16, 256, 4, 3), (32, 32, 256, 4, 3), (64, 32, 512, 8, 2)]]
-SPLIT_TARGETS = [132, 264, 528]
+          (64, 16, 256, 4, 3), (32, 32, 256, 4, 3), (64, 32, 512, 8, 2), (64, 16, 128, 4, 4)]]
+SPLIT_TARGETS = [66, 132, 264, 528]
 lines: list[str] = []
 
 
@@ -70,46 +70,52 @@ def sweep_linears() -> None:
 
 
 def sweep_moe() -> None:
+    """Both exact FP4 formulations (f16 slices, dequantized bf16 tiles) over tilings and decode K splits."""
     e, d, inter, k = 384, 5120, 2304, 6
     w1, s1 = random_fp4((inter, d), 1, e)
     w3, s3 = random_fp4((inter, d), 1, e)
     w2, s2 = random_fp4((d, inter), 1, e)
     stacks = (w1[0], s1[0], w3[0], s3[0], w2[0], s2[0])
     tiles = [dict(BN=bn, BM=16, BK=bk, num_warps=w, num_stages=st) for bn, bk, w, st in
-             [(64, 128, 4, 3), (64, 256, 4, 3), (128, 256, 8, 3), (32, 256, 4, 3)]]
-    chunks = [dict(up=u, down=dn) for u, dn in [(5120, 2304), (2560, 1152), (1280, 768), (1280, 1152), (640, 384),
-                                                (2560, 768)]]
+             [(64, 128, 4, 3), (64, 256, 4, 3), (128, 128, 4, 3), (128, 256, 8, 3), (32, 256, 4, 3), (64, 128, 4, 4),
+              (64, 256, 4, 2)]]
+    chunks = [dict(up=u, down=dn) for u, dn in [(5120, 2304), (2560, 1152), (1280, 1152), (1280, 768), (640, 384)]]
     inputs = {}
     for t in (1, 6, 32):
         tokens = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
         routes = [torch.rand(t, e, device="cuda").topk(k, dim=-1).indices for _ in range(4)]
         inputs[t] = (tokens, routes, torch.rand(t, k, device="cuda"))
     results = []
-    for tile, chunk in itertools.product(tiles, chunks):
+    for f16, tile, chunk in itertools.product((True, False), tiles, chunks):
         if chunk["up"] % tile["BK"] or chunk["down"] % tile["BK"]:
             continue
         try:
             times = [graph_ms([lambda r=r, x=x, wt=wt: grouped_moe(x, r, wt, *stacks, limit=10.0, tile=tile,
-                                                                     k_chunks=chunk) for r in routes])
+                                                                     k_chunks=chunk, f16_slices=f16) for r in routes])
                      for x, routes, wt in inputs.values()]
         except Exception as error:
-            log(f"  moe {tile_name(tile)} {chunk}: failed ({type(error).__name__})")
+            log(f"  moe f16={f16} {tile_name(tile)} {chunk}: failed ({type(error).__name__}: {error})"[:300])
             continue
-        results.append((sum(times), times, tile, chunk))
+        results.append((sum(times), times, f16, tile, chunk))
+        print(f"  moe f16={f16} {tile_name(tile)} {chunk}: " + "  ".join(f"{ms * 1e3:.1f}" for ms in times),
+              flush=True)  # as it goes: a sweep stopped at its time limit still tells something
     results.sort(key=lambda r: r[0])
     roof = 6 * 3 * inter * d * (0.5 + 1 / 32) / HBM * 1e6
     log(f"\ngrouped_moe fp4, 384 experts, top-6: roofline at 1 token {roof:.1f} us")
-    for _, times, tile, chunk in results[:10]:
+    for _, times, f16, tile, chunk in results[:14] + [r for r in results if not r[2]][:3]:
         shown = "  ".join(f"T={t} {ms * 1e3:6.1f} us" for t, ms in zip(inputs, times))
-        log(f"  {tile_name(tile):<28} up {chunk['up']:>4} down {chunk['down']:>4}: {shown}")
+        log(f"  {'f16 ' if f16 else 'bf16'} {tile_name(tile):<28} up {chunk['up']:>4} down {chunk['down']:>4}: {shown}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--only", choices=("moe", "linears"))
     args = parser.parse_args()
     log(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {__import__('triton').__version__}")
     for sweep in (sweep_moe, sweep_linears):
+        if args.only and sweep.__name__ != f"sweep_{args.only}":
+            continue
         sweep()
         Path(args.out, "tuning.txt").write_text("\n".join(lines) + "\n")
 

@@ -134,7 +134,7 @@ def decode_rows(model, context: int, batches: list[int], steps: int, bandwidth: 
     return rows
 
 
-def profile_decode(model, context: int, steps: int = 3, top: int = 30) -> None:
+def profile_decode(model, context: int, steps: int = 3, top: int = 50) -> None:
     """The CUDA time of a graph-replayed batch-1 decode step by kernel (torch.profiler), largest first."""
     cache, token = prefilled_cache(model, context, 1)
     decoder = DeepseekV41CUDAGraphDecoder(model, cache, max_new_tokens=steps + 4)

@@ -306,20 +306,23 @@ def _emulated_moe(tokens, experts, weights, stacks, limit, chunk=8):
     return out
 
 
-@pytest.mark.parametrize("quantized,fp8_dot", [(True, False), (True, True), (False, False)])
+@pytest.mark.parametrize("quantized,fp8_dot,f16_slices", [(True, False, None), (True, False, False),
+                                                         (True, True, None), (False, False, None)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_grouped_moe_matches_emulation(quantized, fp8_dot, dtype):
+def test_grouped_moe_matches_emulation(quantized, fp8_dot, f16_slices, dtype):
+    """Quantized experts by default take the fp16 slices (f16_slices None at 9 tokens), False the dequantized
+    bf16 tiles: both the emulation's numbers up to fp32 summation order."""
     n_experts, d, inter, top_k, t = 6, 64, 64, 3, 9
     stacks = _experts(n_experts, d, inter, quantized, seed=20)
     tokens = _randn(t, d, seed=23, dtype=dtype)
     experts, weights = _routing(t, n_experts, top_k, seed=24)
     experts[0] = torch.tensor([5, 1, 3])  # unsorted ids within a token
     ref = _emulated_moe(tokens, experts, weights, stacks, limit=0.5)
-    out = grouped_moe(tokens, experts, weights, *stacks, limit=0.5, fp8_dot=fp8_dot)
+    out = grouped_moe(tokens, experts, weights, *stacks, limit=0.5, fp8_dot=fp8_dot, f16_slices=f16_slices)
     assert out.dtype == torch.float32 and out.shape == (t, d)
     # bf16 activations: a last-bit difference in gate/up/h can move h's FP8 QDQ by one e4m3 step
     assert _rel(out, ref) < (1e-6 if dtype == torch.float32 and not quantized else 2e-3)
-    if quantized and not fp8_dot and dtype == torch.bfloat16:
+    if quantized and not fp8_dot and f16_slices is None and dtype == torch.bfloat16:
         w1, s1, w3, s3, w2, s2 = stacks
         reencoded = (fp4_to_fp8_weight(w1), s1, fp4_to_fp8_weight(w3), s3, fp4_to_fp8_weight(w2), s2)
         out8 = grouped_moe(tokens, experts, weights, *reencoded, limit=0.5, fp8_experts=True)
@@ -442,6 +445,7 @@ def test_cuda_grouped_moe_released_shapes(t):
     experts, weights = _routing(t, 384, 6, seed=42)
     ref = _emulated_moe(tokens, experts, weights, stacks, limit=10.0, chunk=2)
     assert _rel(grouped_moe(tokens, experts, weights, *stacks, limit=10.0, fp8_dot=False), ref) < 5e-3
+    assert _rel(grouped_moe(tokens, experts, weights, *stacks, limit=10.0, f16_slices=False), ref) < 5e-3
     assert _rel(grouped_moe(tokens, experts, weights, *stacks, limit=10.0, fp8_dot=True), ref) < 5e-3
 
 

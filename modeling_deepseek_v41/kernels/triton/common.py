@@ -265,8 +265,60 @@ def arrive_last(count_ptr, tile, splits):
 
 @triton.jit
 def sum_partials(part_ptr, offs, mask, splits, stride_split):
-    """sum over s of part[s * stride_split + offs] in fp32, s ascending; read through L2 (other programs wrote them)."""
+    """sum over s of part[s * stride_split + offs] in fp32, s ascending; read through L2 (other programs wrote them).
+    Four splits' loads are issued before they are added, so the last program waits for one L2 round trip per four
+    splits rather than per split (a split past `splits` adds -0.0, the exact identity of fp32 addition)."""
     total = tl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
-    for s in range(1, splits):
-        total += tl.load(part_ptr + s * stride_split + offs, mask=mask, other=0.0, cache_modifier=".cg")
+    for s0 in range(1, splits, 4):
+        later = offs * 0 + s0
+        p1 = tl.load(part_ptr + s0 * stride_split + offs, mask=mask, other=0.0, cache_modifier=".cg")
+        p2 = tl.load(part_ptr + (s0 + 1) * stride_split + offs, mask=mask & (later + 1 < splits), other=-0.0,
+                     cache_modifier=".cg")
+        p3 = tl.load(part_ptr + (s0 + 2) * stride_split + offs, mask=mask & (later + 2 < splits), other=-0.0,
+                     cache_modifier=".cg")
+        p4 = tl.load(part_ptr + (s0 + 3) * stride_split + offs, mask=mask & (later + 3 < splits), other=-0.0,
+                     cache_modifier=".cg")
+        total = (((total + p1) + p2) + p3) + p4
     return total
+
+
+@triton.jit
+def pair_order(cols):
+    """Where column `cols` of a row is stored in the pair order of an FP4 dot's activations: within each 32-wide
+    group its 16 even elements first, then its 16 odd ones, the order of a packed FP4 slice's low and high nibbles."""
+    r = cols % 32
+    return cols - r + (r % 2) * 16 + r // 2
+
+
+@triton.jit
+def fp4_f16_dot_k_range(acc, w_ptr, s_ptr, x_ptr, xs_ptr, offs_n, rows, row_mask, k_start, k_stop, N, K,
+                        stride_wn, stride_sn, stride_xm, stride_xsm, BK: tl.constexpr, IEEE: tl.constexpr):
+    """acc[BN, BM] += W[offs_n, k_start:k_stop] @ X[rows, k_start:k_stop]^T for packed FP4 weights, exactly, with
+    few integer operations per weight: each nibble s|e1 e0|m becomes the fp16 bits s|0 0 0 e1 e0|m 0..0, whose value
+    is the e2m1 value times 2^-14 for every code (subnormal for e = 0), and x arrives as its e4m3 values (x_ptr, in
+    pair_order) with fp32 power-of-two scales per row and 32 (xs_ptr). fp16 products of both are exact in fp32; each
+    32-column slice's two dots (even and odd elements) are scaled by 2^14 x the weight's and the row's scale."""
+    half = tl.arange(0, 16)
+    row_ok = offs_n < N
+    for k in range(k_start, k_stop, BK):
+        for j in tl.static_range(BK // 32):
+            k0 = k + j * 32
+            live = (half * 0 + k0) < K  # K is a multiple of 32: a slice is wholly inside or past the end
+            byte = tl.load(w_ptr + offs_n[:, None] * stride_wn + tl.multiple_of(k0 // 2, 16) + half[None, :],
+                           mask=row_ok[:, None] & live[None, :], other=0).to(tl.int32)
+            even = (((byte & 8) << 12) | ((byte & 7) << 9)).to(tl.int16).to(tl.float16, bitcast=True)
+            odd = (((byte & 0x80) << 8) | ((byte & 0x70) << 5)).to(tl.int16).to(tl.float16, bitcast=True)
+            x_cols = tl.multiple_of(k0, 32) + half
+            x_mask = row_mask[None, :] & live[:, None]
+            x_even = tl.load(x_ptr + rows[None, :] * stride_xm + x_cols[:, None], mask=x_mask, other=0.0)
+            x_odd = tl.load(x_ptr + rows[None, :] * stride_xm + (x_cols + 16)[:, None], mask=x_mask, other=0.0)
+            ws = 16384.0 * e8m0_value(s_ptr + offs_n * stride_sn + k0 // 32, row_ok & (offs_n * 0 + k0 < K))
+            xs = tl.load(xs_ptr + rows * stride_xsm + k0 // 32, mask=row_mask & (rows * 0 + k0 < K), other=1.0)
+            if IEEE:  # the interpreter: the same values in fp32
+                part = tl.dot(even.to(tl.float32), x_even.to(tl.float32), input_precision="ieee")
+                part = tl.dot(odd.to(tl.float32), x_odd.to(tl.float32), part, input_precision="ieee")
+            else:
+                part = tl.dot(even, x_even.to(tl.float16))
+                part = tl.dot(odd, x_odd.to(tl.float16), part)
+            acc += part * (ws[:, None] * xs[None, :])
+    return acc

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .common import (FMT_DENSE, FMT_FP4_ROW, FMT_FP8_ROW, abs_max, arrive_last, cast, dot_k_range,
-                     pow2_ceil_scale, round_e4m3, sum_partials)
+                     fp4_f16_dot_k_range, pair_order, pow2_ceil_scale, round_e4m3, sum_partials)
 from .linear import _TL_DTYPES, dot_dtype_for, launch_tile, split_buffers
 from .quant import fp8_act_qdq, fp8_act_quant
 
@@ -40,10 +40,10 @@ def _block_rows(block_start_ptr, block_end_ptr, pair_ptr, b, BM: tl.constexpr):
 @triton.jit
 def _swiglu_store(gate, up, route_ptr, h_ptr, hs_ptr, sorted_rows, mask, pair, offs_n, N, limit, stride_hm,
                   stride_hsm, BN: tl.constexpr, BM: tl.constexpr, ROUND_DTYPE: tl.constexpr, H_DTYPE: tl.constexpr,
-                  HAS_LIMIT: tl.constexpr, QDQ_OUT: tl.constexpr, FP8_DOT: tl.constexpr):
+                  HAS_LIMIT: tl.constexpr, QDQ_OUT: tl.constexpr, FP8_DOT: tl.constexpr, F16: tl.constexpr):
     """h = route weight * silu(gate) * up with the reference's roundings and clamps. QDQ_OUT (quantized experts): h's
     FP8 activation quantization per 32 along N (the tile holds whole groups), stored as its exact bf16 values, or
-    for FP8_DOT as the e4m3 values and their scales (the down projection's FP8 operands)."""
+    for FP8_DOT and F16 as the e4m3 values and their scales (the down projection's operands; F16 in pair order)."""
     gate = cast(gate, ROUND_DTYPE).to(tl.float32)
     up = cast(up, ROUND_DTYPE).to(tl.float32)
     if HAS_LIMIT:
@@ -57,7 +57,7 @@ def _swiglu_store(gate, up, route_ptr, h_ptr, hs_ptr, sorted_rows, mask, pair, o
         amax = tl.maximum(abs_max(groups, 1), 1e-4)
         scale = pow2_ceil_scale(amax)
         q = round_e4m3(tl.minimum(tl.maximum(groups / scale[:, None, :], -448.0), 448.0))
-        if FP8_DOT:
+        if FP8_DOT or F16:
             h = tl.reshape(q, [BN, BM]).to(tl.float8e4nv)
             group = tl.program_id(1) * (BN // 32) + tl.arange(0, BN // 32)
             tl.store(hs_ptr + sorted_rows[None, :] * stride_hsm + group[:, None], scale,
@@ -66,7 +66,27 @@ def _swiglu_store(gate, up, route_ptr, h_ptr, hs_ptr, sorted_rows, mask, pair, o
             h = cast(tl.reshape(q * scale[:, None, :], [BN, BM]), h_ptr.dtype.element_ty)
     else:
         h = cast(h, h_ptr.dtype.element_ty)
-    tl.store(h_ptr + sorted_rows[None, :] * stride_hm + offs_n[:, None], h, mask=mask[None, :] & (offs_n[:, None] < N))
+    cols = offs_n
+    if F16:
+        cols = pair_order(offs_n)
+    tl.store(h_ptr + sorted_rows[None, :] * stride_hm + cols[:, None], h, mask=mask[None, :] & (offs_n[:, None] < N))
+
+
+@triton.jit
+def _expert_dot(w_ptr, s_ptr, x_ptr, xs_ptr, offs_n, rows, mask, k_start, k_stop, N, K, stride_wn, stride_sn,
+                stride_xm, stride_xsm, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, WFMT: tl.constexpr,
+                FP8_DOT: tl.constexpr, F16: tl.constexpr, X_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                IEEE: tl.constexpr):
+    """[BN, BM] = one expert's weight rows times the block's activations over one split of K (F16: packed FP4 in
+    fp16 slices, see common.fp4_f16_dot_k_range; otherwise common.dot_k_range)."""
+    acc = tl.full([BN, BM], 0.0, tl.float32)
+    if F16:
+        acc = fp4_f16_dot_k_range(acc, w_ptr, s_ptr, x_ptr, xs_ptr, offs_n, rows, mask, k_start, k_stop, N, K,
+                                  stride_wn, stride_sn, stride_xm, stride_xsm, BK, IEEE)
+    else:
+        acc = dot_k_range(acc, w_ptr, s_ptr, x_ptr, xs_ptr, offs_n, rows, mask, k_start, k_stop, N, K, stride_wn,
+                          stride_sn, stride_xm, stride_xsm, BK, WFMT, FP8_DOT, X_DTYPE, DOT_DTYPE, IEEE)
+    return acc
 
 
 @triton.jit
@@ -75,8 +95,8 @@ def _moe_up_kernel(x_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, hs_ptr,
                    top_k, limit, stride_xm, stride_xsm, stride_we, stride_wn, stride_se, stride_sn, stride_hm,
                    stride_hsm,
                    BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, WFMT: tl.constexpr, FP8_DOT: tl.constexpr,
-                   X_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, ROUND_DTYPE: tl.constexpr, H_DTYPE: tl.constexpr,
-                   HAS_LIMIT: tl.constexpr, QDQ_OUT: tl.constexpr, IEEE: tl.constexpr):
+                   F16: tl.constexpr, X_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, ROUND_DTYPE: tl.constexpr,
+                   H_DTYPE: tl.constexpr, HAS_LIMIT: tl.constexpr, QDQ_OUT: tl.constexpr, IEEE: tl.constexpr):
     """h[sorted row, n] for one block of rows of one expert and one split of K: both projections from one read of
     the activations; with splits, the last program of the tile sums the partials and applies the SwiGLU."""
     b = tl.program_id(0)
@@ -87,15 +107,15 @@ def _moe_up_kernel(x_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, hs_ptr,
         offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
         k_start = tl.program_id(2) * k_chunk
         k_stop = tl.minimum(k_start + k_chunk, K)
-        gate = dot_k_range(tl.full([BN, BM], 0.0, tl.float32), w1_ptr + expert * stride_we,
-                           s1_ptr + expert * stride_se, x_ptr, xs_ptr, offs_n, tokens, mask, k_start, k_stop, N, K,
-                           stride_wn, stride_sn, stride_xm, stride_xsm, BK, WFMT, FP8_DOT, X_DTYPE, DOT_DTYPE, IEEE)
-        up = dot_k_range(tl.full([BN, BM], 0.0, tl.float32), w3_ptr + expert * stride_we,
-                         s3_ptr + expert * stride_se, x_ptr, xs_ptr, offs_n, tokens, mask, k_start, k_stop, N, K,
-                         stride_wn, stride_sn, stride_xm, stride_xsm, BK, WFMT, FP8_DOT, X_DTYPE, DOT_DTYPE, IEEE)
+        gate = _expert_dot(w1_ptr + expert * stride_we, s1_ptr + expert * stride_se, x_ptr, xs_ptr, offs_n, tokens,
+                           mask, k_start, k_stop, N, K, stride_wn, stride_sn, stride_xm, stride_xsm, BN, BM, BK, WFMT,
+                           FP8_DOT, F16, X_DTYPE, DOT_DTYPE, IEEE)
+        up = _expert_dot(w3_ptr + expert * stride_we, s3_ptr + expert * stride_se, x_ptr, xs_ptr, offs_n, tokens,
+                         mask, k_start, k_stop, N, K, stride_wn, stride_sn, stride_xm, stride_xsm, BN, BM, BK, WFMT,
+                         FP8_DOT, F16, X_DTYPE, DOT_DTYPE, IEEE)
         if splits == 1:
             _swiglu_store(gate, up, route_ptr, h_ptr, hs_ptr, sorted_rows, mask, pair, offs_n, N, limit, stride_hm,
-                          stride_hsm, BN, BM, ROUND_DTYPE, H_DTYPE, HAS_LIMIT, QDQ_OUT, FP8_DOT)
+                          stride_hsm, BN, BM, ROUND_DTYPE, H_DTYPE, HAS_LIMIT, QDQ_OUT, FP8_DOT, F16)
         else:
             offs = sorted_rows[None, :] * N + offs_n[:, None]
             tile_mask = mask[None, :] & (offs_n[:, None] < N)
@@ -106,7 +126,7 @@ def _moe_up_kernel(x_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, hs_ptr,
                 gate = sum_partials(part_ptr, offs, tile_mask, splits, split_stride)
                 up = sum_partials(part_ptr + P * N, offs, tile_mask, splits, split_stride)
                 _swiglu_store(gate, up, route_ptr, h_ptr, hs_ptr, sorted_rows, mask, pair, offs_n, N, limit,
-                              stride_hm, stride_hsm, BN, BM, ROUND_DTYPE, H_DTYPE, HAS_LIMIT, QDQ_OUT, FP8_DOT)
+                              stride_hm, stride_hsm, BN, BM, ROUND_DTYPE, H_DTYPE, HAS_LIMIT, QDQ_OUT, FP8_DOT, F16)
 
 
 @triton.jit
@@ -114,7 +134,8 @@ def _moe_down_kernel(h_ptr, hs_ptr, w2_ptr, s2_ptr, c_ptr, pair_ptr, block_exper
                      block_end_ptr, part_ptr, count_ptr, P, N, K, k_chunk, splits, stride_hm, stride_hsm, stride_we,
                      stride_wn, stride_se, stride_sn, stride_cm,
                      BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, WFMT: tl.constexpr, FP8_DOT: tl.constexpr,
-                     X_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, ROUND_DTYPE: tl.constexpr, IEEE: tl.constexpr):
+                     F16: tl.constexpr, X_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, ROUND_DTYPE: tl.constexpr,
+                     IEEE: tl.constexpr):
     """contribution[pair, n] = h[sorted row] @ w2[expert]^T, rounded to the activation dtype (one split of K per
     program; with splits, the last program of the tile sums the partials)."""
     b = tl.program_id(0)
@@ -124,9 +145,9 @@ def _moe_down_kernel(h_ptr, hs_ptr, w2_ptr, s2_ptr, c_ptr, pair_ptr, block_exper
         offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
         k_start = tl.program_id(2) * k_chunk
         k_stop = tl.minimum(k_start + k_chunk, K)
-        acc = dot_k_range(tl.full([BN, BM], 0.0, tl.float32), w2_ptr + expert * stride_we,
-                          s2_ptr + expert * stride_se, h_ptr, hs_ptr, offs_n, sorted_rows, mask, k_start, k_stop, N,
-                          K, stride_wn, stride_sn, stride_hm, stride_hsm, BK, WFMT, FP8_DOT, X_DTYPE, DOT_DTYPE, IEEE)
+        acc = _expert_dot(w2_ptr + expert * stride_we, s2_ptr + expert * stride_se, h_ptr, hs_ptr, offs_n,
+                          sorted_rows, mask, k_start, k_stop, N, K, stride_wn, stride_sn, stride_hm, stride_hsm, BN,
+                          BM, BK, WFMT, FP8_DOT, F16, X_DTYPE, DOT_DTYPE, IEEE)
         tile_mask = mask[None, :] & (offs_n[:, None] < N)
         ptrs = c_ptr + pair[None, :] * stride_cm + offs_n[:, None]
         if splits == 1:
@@ -186,7 +207,8 @@ def _scale_args(scale: torch.Tensor | None, weight: torch.Tensor) -> tuple[torch
 def grouped_moe(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
                 w1: torch.Tensor, s1: torch.Tensor | None, w3: torch.Tensor, s3: torch.Tensor | None,
                 w2: torch.Tensor, s2: torch.Tensor | None, limit: float, fp8_experts: bool = False,
-                fp8_dot: bool = False, tile: dict | None = None, k_chunks: dict | None = None) -> torch.Tensor:
+                fp8_dot: bool = False, tile: dict | None = None, k_chunks: dict | None = None,
+                f16_slices: bool | None = None) -> torch.Tensor:
     """The routed experts' sum [T, D] in fp32 (the model adds the shared expert, then casts).
 
     tokens [T, D] bf16/fp32; experts [T, k] integer ids; weights [T, k] fp32 routing weights.
@@ -197,6 +219,8 @@ def grouped_moe(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
     Quantized experts: exact bf16 dots on weight tiles dequantized in registers (W4A16 with the QDQ'd activations:
     the emulation's numbers up to fp32 summation order). fp8_dot=True: FP8 tensor cores (W4A8; e4m3 h and its
     scales between the kernels), Hopper's FP8 dots summing below fp32 precision.
+    f16_slices (default: packed FP4 experts in the decode regime): the same exact numbers from fewer integer
+    operations per weight (common.fp4_f16_dot_k_range; e4m3 activations and h with their scales, in pair order).
     `tile`/`k_chunks` override the regime's tiling and decode splits (benchmarks only)."""
     if tokens.dim() != 2 or experts.dim() != 2 or experts.shape[0] != tokens.shape[0]:
         raise ValueError(f"grouped_moe takes tokens [T, D] and experts [T, k]; got {tuple(tokens.shape)} and "
@@ -221,22 +245,26 @@ def grouped_moe(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
     act_dtype = tokens.dtype
     pairs = t * top_k
     fp8_dot = quantized and fp8_dot
+    if f16_slices is None:
+        f16_slices = decode and fmt == FMT_FP4_ROW and not fp8_dot
+    elif f16_slices and (fmt != FMT_FP4_ROW or fp8_dot):
+        raise ValueError("f16_slices takes packed FP4 experts and excludes fp8_dot")
     x, xs, hs = tokens.contiguous(), None, None
-    if fp8_dot:
-        x, xs = fp8_act_quant(tokens)
+    if fp8_dot or f16_slices:
+        x, xs = fp8_act_quant(tokens, pairs=f16_slices)
         hs = torch.empty(pairs, inter // 32, dtype=torch.float32, device=tokens.device)
     elif quantized:
         x = fp8_act_qdq(tokens, torch.bfloat16)
     dot_dtype, round_dtype = (torch.bfloat16, act_dtype) if quantized else (w1.dtype, w1.dtype)
     # h is rounded to the activation dtype; once QDQ'd (quantized experts) it is exact in bf16
-    h_dtype = torch.float8_e4m3fn if fp8_dot else torch.bfloat16 if quantized else act_dtype
+    h_dtype = torch.float8_e4m3fn if fp8_dot or f16_slices else torch.bfloat16 if quantized else act_dtype
     h = torch.empty(pairs, inter, dtype=h_dtype, device=tokens.device)
     x_dtype = dot_dtype
     dot_dtype = dot_dtype_for(tokens.device, dot_dtype)
     launched = launch_tile(tile, dot_dtype)
     dtypes = dict(X_DTYPE=_TL_DTYPES[x_dtype], DOT_DTYPE=_TL_DTYPES[dot_dtype], ROUND_DTYPE=_TL_DTYPES[round_dtype],
-                  IEEE=dot_dtype == torch.float32, FP8_DOT=fp8_dot, WFMT=fmt, BN=tile["BN"], BM=tile["BM"],
-                  BK=tile["BK"], num_warps=launched["num_warps"], num_stages=launched["num_stages"])
+                  IEEE=dot_dtype == torch.float32, FP8_DOT=fp8_dot, F16=f16_slices, WFMT=fmt, BN=tile["BN"],
+                  BM=tile["BM"], BK=tile["BK"], num_warps=launched["num_warps"], num_stages=launched["num_stages"])
     route = weights.reshape(-1).to(torch.float32).contiguous()
     nb = block_expert.shape[0]
     s1_arg, s_e, s_n = _scale_args(s1, w1)
