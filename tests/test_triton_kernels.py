@@ -24,7 +24,8 @@ from modeling_deepseek_v41.kernels.triton import (  # noqa: E402
 from modeling_deepseek_v41.kernels.triton.linear import (  # noqa: E402
     DECODE_MAX_ROWS, DECODE_TILE, SPLIT_TARGET_PROGRAMS, split_count,
 )
-from modeling_deepseek_v41.kernels.triton.moe import MOE_DECODE_TILE, expert_blocks  # noqa: E402
+from modeling_deepseek_v41.kernels.triton.moe import MOE_DECODE_TILE  # noqa: E402
+from modeling_deepseek_v41.kernels.triton.moe_schedule import expert_blocks  # noqa: E402
 from modeling_deepseek_v41.kernels.expert_ops import gathered_swiglu  # noqa: E402
 from modeling_deepseek_v41.kernels import numerics  # noqa: E402
 from modeling_deepseek_v41.kernels.linear import DeepseekV41Linear  # noqa: E402

@@ -17,6 +17,7 @@ import triton.language as tl
 from .common import (FMT_DENSE, FMT_FP4_ROW, FMT_FP8_ROW, abs_max, arrive_last, cast, dot_k_range,
                      fp4_f16_dot_k_range, pair_order, pow2_ceil_scale, round_e4m3, sum_partials)
 from .linear import _TL_DTYPES, dot_dtype_for, launch_tile, split_buffers
+from .moe_schedule import moe_schedule
 from .quant import fp8_act_qdq, fp8_act_quant
 
 MOE_DECODE_MAX_TOKENS = 256
@@ -173,31 +174,6 @@ def _combine_kernel(c_ptr, order_ptr, y_ptr, D, top_k, stride_cm, stride_ym, BLO
     tl.store(y_ptr + t * stride_ym + offs, acc, mask=mask)
 
 
-def expert_blocks(experts: torch.Tensor, n_experts: int, block_rows: int
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Device-side schedule: (pair index of each sorted row, expert, first and end sorted row of each block).
-
-    pair = token * k + slot. The block count is a bound from the shapes; blocks past the real count get an empty
-    row range. All torch ops with device results: no host read, capturable."""
-    ids = experts.reshape(-1)
-    pairs = ids.numel()
-    sorted_ids, pair_of_row = torch.sort(ids, stable=True)
-    bounds = torch.arange(n_experts + 1, device=ids.device, dtype=sorted_ids.dtype)
-    offsets = torch.searchsorted(sorted_ids, bounds)  # first sorted row of each expert, and the end
-    blocks = (offsets[1:] - offsets[:-1] + block_rows - 1) // block_rows
-    block_end = torch.cumsum(blocks, 0)
-    capacity = min(n_experts, pairs) + triton.cdiv(pairs, block_rows)
-    b = torch.arange(capacity, device=ids.device, dtype=block_end.dtype)
-    expert = torch.searchsorted(block_end, b, right=True).clamp_max(n_experts - 1)
-    local = b - (block_end - blocks)[expert]
-    start = offsets[expert] + local * block_rows
-    end = torch.minimum(offsets[expert + 1], start + block_rows)
-    valid = b < block_end[-1]
-    start = torch.where(valid, start, 0)
-    end = torch.where(valid, end, 0)
-    return pair_of_row.to(torch.int32), expert.to(torch.int32), start.to(torch.int32), end.to(torch.int32)
-
-
 def _scale_args(scale: torch.Tensor | None, weight: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     if scale is None:
         return weight, 0, 0
@@ -241,7 +217,7 @@ def grouped_moe(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
     decode = t <= MOE_DECODE_MAX_TOKENS
     tile = tile or (MOE_DECODE_TILE if decode else MOE_PREFILL_TILE)
     chunks = (k_chunks or MOE_DECODE_K_CHUNK) if decode else {"up": d, "down": inter}
-    pair_of_row, block_expert, block_start, block_end = expert_blocks(experts, n_experts, tile["BM"])
+    pair_of_row, block_expert, block_start, block_end, order = moe_schedule(experts, n_experts, tile["BM"])
     act_dtype = tokens.dtype
     pairs = t * top_k
     fp8_dot = quantized and fp8_dot
@@ -283,7 +259,6 @@ def grouped_moe(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
         h, hs_arg, w2, s2_arg, contributions, pair_of_row, block_expert, block_start, block_end, part, count, pairs,
         d, inter, k_chunk, splits, h.stride(0), hs_arg.stride(0), w2.stride(0), w2.stride(1), s_e, s_n,
         contributions.stride(0), **dtypes)
-    order = experts.argsort(dim=-1, stable=True).to(torch.int32).contiguous()
     y = torch.empty(t, d, dtype=torch.float32, device=tokens.device)
     block = 1024
     _combine_kernel[(t, triton.cdiv(d, block))](contributions, order, y, d, top_k, contributions.stride(0),
