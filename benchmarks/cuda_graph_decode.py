@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_suite import build_model, intree_v4_decode, medium_config, timed  # noqa: E402
 
 from modeling_deepseek_v41.cache import DeepseekV41Cache  # noqa: E402
-from modeling_deepseek_v41.cache.graph_decoder import DeepseekV41CUDAGraphDecoder  # noqa: E402
+from modeling_deepseek_v41.model.generation import DeepseekV41CUDAGraphDecoder  # noqa: E402
 
 CHECKED = 6  # steps whose logits are compared (the first two are the decoder's eager and recording steps)
 

@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 from modeling_deepseek_v41 import DeepseekV41Config, DeepseekV41ForCausalLM  # noqa: E402
 from modeling_deepseek_v41.cache import DeepseekV41Cache  # noqa: E402
 from modeling_deepseek_v41.layers.engram_hashing import engram_table_rows  # noqa: E402
-from modeling_deepseek_v41.cache.graph_decoder import DeepseekV41CUDAGraphDecoder  # noqa: E402
+from modeling_deepseek_v41.model.generation import DeepseekV41CUDAGraphDecoder  # noqa: E402
 
 OFFICIAL = ROOT / "tests" / "fixtures" / "spec" / "official_config.json"
 

@@ -222,7 +222,7 @@ def test_cuda_graph_decode_replays_the_eager_steps(case_dir):
     """Graph-replayed decode steps give the eager static-cache steps' logits bit for bit, and agree with the
     growing cache's steps (which attend over fewer, unmasked entries)."""
     from modeling_deepseek_v41.cache import DeepseekV41Cache
-    from modeling_deepseek_v41.cache.graph_decoder import DeepseekV41CUDAGraphDecoder
+    from modeling_deepseek_v41.model.generation import DeepseekV41CUDAGraphDecoder
 
     model, ids, clean, prompt = _text_decode_case(case_dir)
     with torch.no_grad():

@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM
 
 from model_factory import random_model, tiny_config
 from modeling_deepseek_v41.cache import DeepseekV41Cache
-from modeling_deepseek_v41.model.dspark import dspark_draft
-from modeling_deepseek_v41.model.dspark import verify_count
+from modeling_deepseek_v41.model.generation.dspark import dspark_draft
+from modeling_deepseek_v41.model.generation.dspark import verify_count
 from reference_cases import FIXTURES, load_case, load_model
 
 

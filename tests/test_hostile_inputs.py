@@ -93,7 +93,7 @@ def test_reorder_cache_refuses_bad_indices_and_keeps_the_rows(model, indices, me
 
 def test_a_cache_that_ends_inside_an_image_span_is_refused():
     """A prompt continues a cache after whole images only (its cached images are dropped, the others kept)."""
-    from modeling_deepseek_v41.model.generation import uncached_images
+    from modeling_deepseek_v41.model.generation.mixin import uncached_images
 
     types = torch.tensor([[-1, 0, 1, 2, 3, -1, 0, 1, 1, 2, 3]])
     grids = torch.tensor([[2, 2, 1, 1], [2, 4, 1, 2]])
@@ -108,7 +108,7 @@ def test_a_cache_that_ends_inside_an_image_span_is_refused():
 # -- numerics: non-finite weights and logits ---------------------------------------------------------------------
 
 def test_generate_stops_on_all_nan_logits_even_when_removing_invalid_values(model):
-    from modeling_deepseek_v41.model.invalid_logits import InvalidLogitsError
+    from modeling_deepseek_v41.model.generation import InvalidLogitsError
 
     broken = random_model(dtype=torch.float64, seed=5)
     with torch.no_grad():
@@ -121,7 +121,7 @@ def test_generate_stops_on_all_nan_logits_even_when_removing_invalid_values(mode
 
 @pytest.mark.parametrize("value, kind", [(float("inf"), r"\+inf"), (float("-inf"), "-inf")], ids=["pos", "neg"])
 def test_generate_stops_on_infinite_logits_like_nan(model, value, kind):
-    from modeling_deepseek_v41.model.invalid_logits import InvalidLogitsError
+    from modeling_deepseek_v41.model.generation import InvalidLogitsError
 
     hook = model.lm_head.register_forward_hook(lambda module, args, output: torch.full_like(output, value))
     try:

@@ -17,7 +17,7 @@ from model_factory import random_model, tiny_config  # noqa: E402
 from reference_cases import FIXTURES  # noqa: E402
 
 from modeling_deepseek_v41.cache import DeepseekV41Cache  # noqa: E402
-from modeling_deepseek_v41.model.dspark import dspark_draft  # noqa: E402
+from modeling_deepseek_v41.model.generation.dspark import dspark_draft  # noqa: E402
 from training.drafter import (  # noqa: E402
     choose_anchors, draftable, drafter_step_loss, dspark_training_logits, freeze_all_but_drafter,
 )

@@ -22,7 +22,7 @@ from torch.nn import functional as F
 from transformers import Trainer
 
 from modeling_deepseek_v41.model.causal_lm import DeepseekV41ForCausalLM
-from modeling_deepseek_v41.model.dspark import dspark_forward
+from modeling_deepseek_v41.model.generation.dspark import dspark_forward
 
 TEXT = -1
 DSPARK_LOSS_WEIGHTS = (0.1, 0.9, 1.0)  # cross-entropy, L1 distillation, confidence BCE

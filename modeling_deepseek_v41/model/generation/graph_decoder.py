@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from .cache import DeepseekV41Cache
-from ..layers.engram import DeepseekV41ExternalEngramTable
+from ...cache.cache import DeepseekV41Cache
+from ...layers.engram import DeepseekV41ExternalEngramTable
 
 
 def check_graph_decoding(model) -> None:

@@ -11,7 +11,7 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation.candidate_generator import CandidateGenerator
 
-from ..layers.hyper_connections import hc_collapse, initial_streams
+from ...layers.hyper_connections import hc_collapse, initial_streams
 
 
 class Draft(NamedTuple):

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationMixin
 
-from ..cache.cache import DeepseekV41Cache
-from ..cache.graph_decoder import GenerationGraphs, check_graph_decoding
-from ..layers.vision import TOKEN_TYPE_IMAGE_START, TOKEN_TYPE_TEXT
+from ...cache.cache import DeepseekV41Cache
+from ...layers.vision import TOKEN_TYPE_IMAGE_START, TOKEN_TYPE_TEXT
+from ..inputs import check_generate_inputs
 from .dspark import DSparkCandidateGenerator, dspark_generation_config
-from .inputs import check_generate_inputs
+from .graph_decoder import GenerationGraphs, check_graph_decoding
 from .invalid_logits import with_invalid_logits_check
 
 SUPPORTED_CACHE_IMPLEMENTATIONS = (None, "dynamic", "static")
