@@ -79,6 +79,12 @@ def reduce_sum(x, axis: tl.constexpr):
 
 
 @triton.jit
+def prefix_sum(x, axis: tl.constexpr):
+    """inclusive cumulative sum along `axis` (tl.associative_scan: tl.cumsum is compiled-only, see abs_max)."""
+    return tl.associative_scan(x, axis, _SUM_COMBINE)
+
+
+@triton.jit
 def abs_max(x, axis: tl.constexpr):
     """max |x| along `axis`. tl.reduce rather than tl.max: tl.max is fixed as compiled-only when triton was
     imported before TRITON_INTERPRET was set (the model package imports it), tl.reduce is patched either way."""

@@ -217,14 +217,14 @@ def grouped_moe(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
     decode = t <= MOE_DECODE_MAX_TOKENS
     tile = tile or (MOE_DECODE_TILE if decode else MOE_PREFILL_TILE)
     chunks = (k_chunks or MOE_DECODE_K_CHUNK) if decode else {"up": d, "down": inter}
-    pair_of_row, block_expert, block_start, block_end, order = moe_schedule(experts, n_experts, tile["BM"])
-    act_dtype = tokens.dtype
-    pairs = t * top_k
     fp8_dot = quantized and fp8_dot
     if f16_slices is None:
         f16_slices = decode and fmt == FMT_FP4_ROW and not fp8_dot
     elif f16_slices and (fmt != FMT_FP4_ROW or fp8_dot):
         raise ValueError("f16_slices takes packed FP4 experts and excludes fp8_dot")
+    pair_of_row, block_expert, block_start, block_end, order = moe_schedule(experts, n_experts, tile["BM"])
+    act_dtype = tokens.dtype
+    pairs = t * top_k
     x, xs, hs = tokens.contiguous(), None, None
     if fp8_dot or f16_slices:
         x, xs = fp8_act_quant(tokens, pairs=f16_slices)

@@ -13,22 +13,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import reduce_sum
+from .common import prefix_sum, reduce_sum
 
 PAIR_TILE = 64  # pairs ranked per program: a [64, 64] compare of their ids
 BLOCK_TILE = 16  # blocks per program: a [16, bins] compare against the experts' block ends
 HIST_TILE = 2048  # ids counted per histogram step
 ORDER_TILE = 4096  # elements of a program's [tokens, k, k] compare of slots
-
-
-@triton.jit
-def _add(a, b):
-    return a + b
-
-
-# Triton's own sum combine where it exists: the interpreter scans with it in one numpy call (and tl.cumsum is
-# compiled-only when triton was imported before TRITON_INTERPRET was set)
-_SCAN_ADD = getattr(tl.standard, "_sum_combine", _add)
 
 
 @triton.jit
@@ -64,7 +54,7 @@ def _blocks(expert_ptr, start_ptr, end_ptr, capacity, b0, counts, offsets, n_exp
             BLOCK_ROWS: tl.constexpr, BT: tl.constexpr):
     """Expert, first and end sorted row of blocks [b0, b0 + BT): each expert's rows in blocks of BLOCK_ROWS."""
     n_blocks = (counts + BLOCK_ROWS - 1) // BLOCK_ROWS
-    block_end = tl.associative_scan(n_blocks, 0, _SCAN_ADD)
+    block_end = prefix_sum(n_blocks, 0)
     b = b0 + tl.arange(0, BT)
     # searchsorted(block_end, b, right=True); blocks past the last are all experts' (>= E), clamped like expert_blocks
     expert = tl.minimum(reduce_sum((block_end[None, :] <= b[:, None]).to(tl.int32), 1), n_experts - 1)
@@ -98,7 +88,7 @@ def _schedule_kernel(ids_ptr, pair_ptr, expert_ptr, start_ptr, end_ptr, order_pt
     pairs = tokens * K
     total, prefix = _histograms(ids_ptr, pairs, g * SUBS * PT, BINS, HT)
     counts = tl.where(tl.arange(0, BINS) < n_experts, total, 0)
-    offsets = tl.associative_scan(counts, 0, _SCAN_ADD) - counts  # first sorted row of each expert
+    offsets = prefix_sum(counts, 0) - counts  # first sorted row of each expert
     _sorted_rows(ids_ptr, pair_ptr, pairs, g * SUBS * PT, offsets + prefix, BINS, PT, SUBS)
     _blocks(expert_ptr, start_ptr, end_ptr, capacity, g * BT, counts, offsets, n_experts, BLOCK_ROWS, BT)
     _slot_order(ids_ptr, order_ptr, tokens, g * TT, K, TT, KP)
