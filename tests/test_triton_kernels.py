@@ -238,8 +238,25 @@ def test_linears_are_batch_invariant(monkeypatch):
 
     monkeypatch.setattr(np, "matmul", place_dependent_matmul)
     check_all()
-    noisy_w, noisy_x = _randn(n, k, seed=12, scale=0.05), _randn(2, k, seed=13)
-    assert not torch.equal(dense_linear(noisy_x, noisy_w)[1], dense_linear(noisy_x[1:], noisy_w)[0])
+    # the emulated BLAS does change a dot's rounding of random data (a dense fp32 grouped projection: fp32 linears
+    # multiply without a dot)
+    noisy_w, noisy_x = _randn(n, k, seed=12, scale=0.05), _randn(2, 1, k, seed=13)
+    alone = grouped_linear(noisy_x[1:], noisy_w, None, 1)[0]
+    assert not torch.equal(grouped_linear(noisy_x, noisy_w, None, 1)[1], alone)
+
+
+def test_fp32_weights_multiply_exactly_in_a_fixed_order():
+    """The fp32-weight decode linear (the head) computes x @ w^T with true fp32 products: in float64 it equals the
+    exact product to 1e-12; in fp32 a row's result is the same alone and in any batch, on random data, bit for bit
+    (the kernel's own summation order, no dot); ragged N and K and split K included."""
+    from modeling_deepseek_v41.kernels.triton.fp32_rows import fp32_rows_linear
+
+    w, x = _randn(150, 520, seed=40, scale=0.05), _randn(9, 520, seed=41)
+    exact = x.double() @ w.double().t()
+    assert _rel(fp32_rows_linear(x.double(), w.double(), split_target=64), exact) < 1e-12
+    assert _rel(fp32_rows_linear(x, w, split_target=64), exact) < FP32_BOUND
+    _check_batch_invariance(lambda t: fp32_rows_linear(t, w, split_target=64), x)
+    _check_batch_invariance(lambda t: dense_linear(t, w), x)
 
 
 @pytest.mark.parametrize("m", [3, DECODE_MAX_ROWS + 5])

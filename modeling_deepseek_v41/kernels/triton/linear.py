@@ -27,7 +27,8 @@ import triton.language as tl
 from .common import (FMT_DENSE, FMT_FP4_ROW, FMT_FP8_ROW, FMT_FP8_TILE, arrive_last, cast, dot_k_range, k_slice,
                      sum_partials, weight_scale, weight_slice)
 from .quant import fp8_act_qdq, fp8_act_quant
-from .workspace import arrival_counts
+from .fp32_rows import fp32_rows_linear
+from .workspace import split_buffers
 
 DECODE_MAX_ROWS = 256
 # the fastest single tiling over the released shapes at 1 and 32 rows (benchmarks/kernel_tuning.py)
@@ -90,14 +91,6 @@ def split_count(n: int, k: int, tile: dict = DECODE_TILE, target: int = SPLIT_TA
     wanted = max(1, triton.cdiv(target, triton.cdiv(n, tile["BN"])))
     per_split = triton.cdiv(k_blocks, min(k_blocks, wanted))
     return triton.cdiv(k_blocks, per_split), per_split * tile["BK"]
-
-
-def split_buffers(splits: int, shape: tuple, tiles: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fp32 partials [splits, *shape] and the zeroed arrival counts of the tiles for a split-K launch (empty
-    stand-ins of the same dtypes when there is one split, so both launches share one compiled kernel)."""
-    if splits == 1:
-        return (torch.empty(0, dtype=torch.float32, device=device), torch.empty(0, dtype=torch.int32, device=device))
-    return torch.empty(splits, *shape, dtype=torch.float32, device=device), arrival_counts(device, tiles)
 
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32,
@@ -234,6 +227,8 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         rows = rows.contiguous()
     if rows.shape[0] > DECODE_MAX_ROWS:  # prefill-sized: cuBLAS
         out = torch.nn.functional.linear(rows.to(weight.dtype), weight)
+    elif weight.dtype == torch.float32:  # true fp32 products: CUDA cores, each weight read once
+        out = fp32_rows_linear(rows, weight)
     else:
         out = run_linear(rows, None, weight, None, FMT_DENSE, n, k, weight.dtype, weight.dtype)
     return out.view(*x.shape[:-1], n)

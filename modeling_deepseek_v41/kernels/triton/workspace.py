@@ -1,4 +1,4 @@
-"""Scratch memory the kernels share: arrival counters for the split reductions done in one launch.
+"""Scratch memory the kernels share: arrival counters and partials for the split reductions done in one launch.
 
 A split-K launch counts, per output tile, the programs that stored their partial sums; the last to arrive sums
 them and sets the count back to zero (`common.arrive_last`). So the counters are zero before every launch without
@@ -26,3 +26,11 @@ def arrival_counts(device: torch.device, tiles: int) -> torch.Tensor:
     if counts is None:
         counts = _counters[key] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
     return counts
+
+
+def split_buffers(splits: int, shape: tuple, tiles: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 partials [splits, *shape] and the zeroed arrival counts of the tiles for a split-K launch (empty
+    stand-ins of the same dtypes when there is one split, so both launches share one compiled kernel)."""
+    if splits == 1:
+        return (torch.empty(0, dtype=torch.float32, device=device), torch.empty(0, dtype=torch.int32, device=device))
+    return torch.empty(splits, *shape, dtype=torch.float32, device=device), arrival_counts(device, tiles)
