@@ -245,6 +245,30 @@ def test_linears_are_batch_invariant(monkeypatch):
     assert not torch.equal(grouped_linear(noisy_x, noisy_w, None, 1)[1], alone)
 
 
+@pytest.mark.parametrize("m", [3, DECODE_MAX_ROWS + 5])
+def test_a_pair_of_linears_on_one_input_is_each_linear(m):
+    """linear_pair (the query/KV down-projections, the shared expert's gate and up): one QDQ and one launch give
+    each FP8 linear's emulated result (K split from both weights' rows), batch invariant, and dense bf16 pairs the
+    dense linear's; prefill sizes fall back to two calls."""
+    from modeling_deepseek_v41.kernels.triton import linear_pair
+
+    (w1, s1), (w2, s2) = _fp8_weight(96, 320, seed=50), _fp8_weight(64, 320, seed=51)
+    x = _randn(m, 320, seed=52)
+    out1, out2 = linear_pair(x, (w1, s1), (w2, s2))
+    _assert_close_to_emulation(out1, _emulated_linear(x, w1, s1, "fp8"), x.dtype)
+    _assert_close_to_emulation(out2, _emulated_linear(x, w2, s2, "fp8"), x.dtype)
+    d1, d2 = _randn(96, 320, seed=53, scale=0.05, dtype=torch.bfloat16), _randn(64, 320, seed=54, scale=0.05,
+                                                                               dtype=torch.bfloat16)
+    xb = x.to(torch.bfloat16)
+    dense1, dense2 = linear_pair(xb, (d1, None), (d2, None))
+    _assert_close_to_emulation(dense1, (xb.double() @ d1.double().t()).to(torch.bfloat16), torch.bfloat16)
+    _assert_close_to_emulation(dense2, (xb.double() @ d2.double().t()).to(torch.bfloat16), torch.bfloat16)
+    if m <= DECODE_MAX_ROWS:
+        _check_batch_invariance(lambda t: torch.cat(linear_pair(t, (w1, s1), (w2, s2)), dim=-1), x)
+    with pytest.raises(ValueError, match="two FP8 weights"):
+        linear_pair(x, (w1, s1), (d2, None))
+
+
 def test_fp32_weights_multiply_exactly_in_a_fixed_order():
     """The fp32-weight decode linear (the head) computes x @ w^T with true fp32 products: in float64 it equals the
     exact product to 1e-12; in fp32 a row's result is the same alone and in any batch, on random data, bit for bit

@@ -23,6 +23,12 @@ def gpu_linear(x: torch.Tensor, storage: str, weight: torch.Tensor, scale: torch
     return kernels.dense_linear(x.to(weight.dtype), weight)
 
 
+def gpu_linear_pair(x: torch.Tensor, first: tuple[torch.Tensor, torch.Tensor | None],
+                    second: tuple[torch.Tensor, torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two linears of one input (FP8 weights with scales, or dense bf16 ones) in one launch for decode sizes."""
+    return triton_kernels().linear_pair(x, first, second)
+
+
 def gpu_linear_input_grad(grad_out: torch.Tensor, storage: str, weight: torch.Tensor, scale: torch.Tensor
                           ) -> torch.Tensor:
     """grad_out [..., N] times an FP8/FP4 weight [N, K]: the input gradient of a frozen quantized linear. The weight

@@ -13,7 +13,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from .dispatch import kernel_path
-from .gpu_linear import dense_kernel_applies, gpu_linear, gpu_linear_input_grad, grouped_linear, triton_kernels
+from .gpu_linear import (dense_kernel_applies, gpu_linear, gpu_linear_input_grad, gpu_linear_pair, grouped_linear,
+                         triton_kernels)
 from .numerics import (
     WEIGHT_BLOCK, compute_dtype, dequantize_fp4_weight, dequantize_fp8_weight, fp8_act_qdq, weight_dtype,
 )
@@ -187,6 +188,20 @@ class DeepseekV41Linear(DeepseekV41Weight, nn.Linear):
                 return QuantizedLinearFunction.apply(x, self.weight, self.scale, self.storage)
         with torch.no_grad():  # frozen weights and an input without gradient: nothing to record
             return quantized_forward(x, self.weight, self.scale, self.storage)
+
+
+def linear_pair(x: torch.Tensor, first: nn.Module, second: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first(x), second(x)) for two linears that read the same input (the query and KV down-projections, the
+    shared expert's gate and up): on CUDA inference one activation QDQ and one launch when both are frozen
+    DeepseekV41Linears of the same storage (FP8, or dense bf16/fp16); otherwise each module's own forward, so an
+    adapter wrapping either, training and the CPU's exact path are untouched."""
+    fusable = (type(first) is DeepseekV41Linear and type(second) is DeepseekV41Linear and not torch.is_grad_enabled()
+               and kernel_path(x) and first.storage == second.storage and first.weight.dtype == second.weight.dtype
+               and (first.storage == STORAGE_FP8
+                    or (first.storage == STORAGE_DENSE and first.weight.dtype in (torch.bfloat16, torch.float16))))
+    if not fusable:
+        return first(x), second(x)
+    return gpu_linear_pair(x, (first.weight, first.scale), (second.weight, second.scale))
 
 
 class DeepseekV41RMSNorm(nn.Module):

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ..config.layer_plan import LayerSpec
-from ..kernels.linear import DeepseekV41Linear, DeepseekV41RMSNorm, DeepseekV41Weight
+from ..kernels.linear import DeepseekV41Linear, DeepseekV41RMSNorm, DeepseekV41Weight, linear_pair
 from ..kernels.numerics import POOL_KV_BLOCK, fp4_quantize_rows, weight_dtype
 from ..kernels.sparse_attention import attend_stored, sparse_attention, window_kv
 from .compressor import DeepseekV41Compressor
@@ -91,9 +91,10 @@ class DeepseekV41Attention(nn.Module):
         o = self.wo_a.grouped(o.reshape(batch, seq, self.n_groups, -1))
         return self.wo_b(o.flatten(2))
 
-    def query_heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the normed low-rank query qr, the queries [B,S,H,hd] before RoPE) of x [B,S,D]."""
-        qr = self.q_norm(self.wq_a(x))
+    def query_heads(self, x: torch.Tensor, latent: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the normed low-rank query qr, the queries [B,S,H,hd] before RoPE) of x [B,S,D]; latent: wq_a(x) when
+        already computed."""
+        qr = self.q_norm(self.wq_a(x) if latent is None else latent)
         return qr, self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
 
     def queries(self, x: torch.Tensor, rotation: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,15 +102,17 @@ class DeepseekV41Attention(nn.Module):
         qr, q = self.query_heads(x)
         return qr, apply_rope_tail(q, rotation, self.rope_dim)
 
-    def window_kv(self, x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
-        """The single K=V latent [B,S,hd] of x, RoPE'd and FP8-QDQ'd as every window entry is."""
-        return window_kv(self.wkv(x), self.kv_norm, rotation, self.rope_dim)
+    def window_kv(self, x: torch.Tensor, rotation: torch.Tensor, latent: torch.Tensor | None = None) -> torch.Tensor:
+        """The single K=V latent [B,S,hd] of x, RoPE'd and FP8-QDQ'd as every window entry is; latent: wkv(x) when
+        already computed."""
+        return window_kv(self.wkv(x) if latent is None else latent, self.kv_norm, rotation, self.rope_dim)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotation: torch.Tensor, inv_freq: torch.Tensor,
                 share) -> torch.Tensor:
         """x [B,S,D] normed; positions [B,S] (-1: padding); rotation [B,S,rope/2] at the query positions."""
-        qr, q = self.query_heads(x)
-        kv = self.window_kv(x, rotation)
+        q_latent, kv_latent = linear_pair(x, self.wq_a, self.wkv)  # both read x: one launch on the kernels
+        qr, q = self.query_heads(x, q_latent)
+        kv = self.window_kv(x, rotation, kv_latent)
         spec, store = self.spec, share.store
         selected = None
         if spec.ratio:

@@ -10,7 +10,7 @@ from torch import nn
 from ..kernels.expert_ops import (  # noqa: F401  (gate_scores: the layers' import point)
     gate_scores, route, runs_stacked, stacked_experts, sum_in_slot_order, swiglu,
 )
-from ..kernels.linear import STORAGE_FP8, DeepseekV41Linear, row_invariant_linear
+from ..kernels.linear import STORAGE_FP8, DeepseekV41Linear, linear_pair, row_invariant_linear
 from ..kernels.numerics import compute_dtype, weight_dtype
 
 
@@ -53,7 +53,8 @@ class DeepseekV41Expert(nn.Module):
         self.swiglu_limit = swiglu_limit
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-        return self.w2(swiglu(self.w1(x), self.w3(x), self.swiglu_limit, weights, x.dtype))
+        gate, up = linear_pair(x, self.w1, self.w3)  # both read x: one launch on the kernels
+        return self.w2(swiglu(gate, up, self.swiglu_limit, weights, x.dtype))
 
 
 PROJECTIONS = ("w1", "w2", "w3")

@@ -39,15 +39,30 @@ SPLIT_TARGET_PROGRAMS = 264  # about two waves on a 132-SM H200; a constant, so 
 
 @triton.jit
 def _linear_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K, k_chunk, splits,
-                   stride_xm, stride_xsm, stride_wn, stride_sn, stride_om,
+                   stride_xm, stride_xsm, stride_wn, stride_sn, stride_om, stride_pm,
+                   w2_ptr, s2_ptr, out2_ptr, N2, tiles1, stride_o2m,
                    BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, WFMT: tl.constexpr,
-                   FP8_DOT: tl.constexpr, X_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr):
+                   FP8_DOT: tl.constexpr, X_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
+                   PAIR: tl.constexpr):
     """out[m, g*N + n] = sum over k of x[m, g*K + k] w[g*N + n, k] for the group g of the grid's third axis (a
-    plain linear is one group), this program's split of K only; acc[BN, BM] holds the transpose."""
+    plain linear is one group), this program's split of K only; acc[BN, BM] holds the transpose.
+    PAIR: a second weight w2 [N2, K] (same storage) on the same input: its tiles follow the first's `tiles1` tiles
+    on the grid's second axis and write out2; the split partials [splits, M, N + N2] hold both."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     g = tl.program_id(2) // splits
     pid_s = tl.program_id(2) % splits
+    tile = (g * tl.num_programs(1) + pid_n) * tl.num_programs(0) + pid_m
+    part_col = g * N  # the tile's first column in the partials
+    if PAIR:
+        second = pid_n >= tiles1
+        w_ptr = tl.where(second, w2_ptr, w_ptr)
+        s_ptr = tl.where(second, s2_ptr, s_ptr)
+        out_ptr = tl.where(second, out2_ptr, out_ptr)
+        stride_om = tl.where(second, stride_o2m, stride_om)
+        part_col = tl.where(second, N, 0)
+        pid_n = tl.where(second, pid_n - tiles1, pid_n)
+        N = tl.where(second, N2, N)
     offs_n = pid_n * BN + tl.arange(0, BN)
     rows = pid_m * BM + tl.arange(0, BM)
     row_mask = rows < M
@@ -63,11 +78,11 @@ def _linear_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M,
     if splits == 1:
         tl.store(out_ptr + offs, cast(acc, out_ptr.dtype.element_ty), mask=mask)
     else:
-        split_stride = M * stride_om
-        tl.store(part_ptr + pid_s * split_stride + offs, acc, mask=mask)
-        tile = (g * tl.num_programs(1) + pid_n) * tl.num_programs(0) + pid_m
+        split_stride = M * stride_pm
+        part_offs = rows[None, :] * stride_pm + part_col + offs_n[:, None]
+        tl.store(part_ptr + pid_s * split_stride + part_offs, acc, mask=mask)
         if arrive_last(count_ptr, tile, splits):
-            total = sum_partials(part_ptr, offs, mask, splits, split_stride)
+            total = sum_partials(part_ptr, part_offs, mask, splits, split_stride)
             tl.store(out_ptr + offs, cast(total, out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -111,32 +126,45 @@ def dot_dtype_for(device: torch.device, dtype: torch.dtype) -> torch.dtype:
 
 def run_linear(x2d: torch.Tensor, xs: torch.Tensor | None, weight: torch.Tensor, scale: torch.Tensor | None,
                fmt: int, n: int, k: int, out_dtype: torch.dtype, dot_dtype: torch.dtype, groups: int = 1,
-               tile: dict | None = None, split_target: int = SPLIT_TARGET_PROGRAMS) -> torch.Tensor:
+               tile: dict | None = None, split_target: int = SPLIT_TARGET_PROGRAMS,
+               second: tuple[torch.Tensor, torch.Tensor | None, int] | None = None
+               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """out [M, groups * n] = x2d [M, groups * k] times each group's n rows of the weight, in the Triton kernel.
 
     xs: the fp32 scales of e4m3 activations x2d (quantized weights on the FP8 tensor cores); None: the weight
-    dequantized to dot_dtype, the activations rounded to it. `tile`/`split_target` override
-    the regime's tiling (benchmarks only: the decode tiling must stay a function of the weight's shape)."""
+    dequantized to dot_dtype, the activations rounded to it. second: (weight2, scale2, n2) of a second weight of
+    the same storage on the same input, in the same launch (one group only): returns (out [M, n], out2 [M, n2]);
+    the split follows from (n + n2, k). `tile`/`split_target` override the regime's tiling (benchmarks only: the
+    decode tiling must stay a function of the weights' shapes)."""
     m = x2d.shape[0]
     x_dtype = dot_dtype
     dot_dtype = dot_dtype_for(x2d.device, dot_dtype)
     decode = m <= DECODE_MAX_ROWS
     tile = tile or (DECODE_TILE if decode else PREFILL_TILE)
     tile = launch_tile(tile, dot_dtype)
-    splits, k_chunk = split_count(groups * n, k, tile, split_target) if decode else \
+    w2, s2, n2 = second if second is not None else (weight, scale, 0)
+    if second is not None and (groups != 1 or w2.stride(0) != weight.stride(0)
+                               or (scale is not None and s2.stride(0) != scale.stride(0))):
+        raise ValueError("a pair of linears takes one group and two weights of the same K and strides")
+    columns = groups * n + n2
+    splits, k_chunk = split_count(columns, k, tile, split_target) if decode else \
         (1, triton.cdiv(k, tile["BK"]) * tile["BK"])
     out = torch.empty(m, groups * n, dtype=out_dtype, device=x2d.device)
-    grid = (triton.cdiv(m, tile["BM"]), triton.cdiv(n, tile["BN"]), groups * splits)
-    part, count = split_buffers(splits, (m, groups * n), grid[0] * grid[1] * groups, x2d.device)
+    out2 = torch.empty(m, n2, dtype=out_dtype, device=x2d.device) if second is not None else out
+    tiles1 = triton.cdiv(n, tile["BN"])
+    grid = (triton.cdiv(m, tile["BM"]), tiles1 + triton.cdiv(n2, tile["BN"]), groups * splits)
+    part, count = split_buffers(splits, (m, columns), grid[0] * grid[1] * groups, x2d.device)
     s_arg = weight if scale is None else scale.view(torch.uint8)
+    s2_arg = s_arg if s2 is None else s2.view(torch.uint8)
     xs_arg = x2d if xs is None else xs
     _linear_kernel[grid](
         x2d, xs_arg, weight, s_arg, out, part, count, m, n, k, k_chunk, splits,
         x2d.stride(0), xs_arg.stride(0), weight.stride(0), 0 if scale is None else scale.stride(0), out.stride(0),
+        columns, w2, s2_arg, out2, n2, tiles1, out2.stride(0),
         BN=tile["BN"], BM=tile["BM"], BK=tile["BK"], WFMT=fmt, FP8_DOT=xs is not None,
         X_DTYPE=_TL_DTYPES[x_dtype], DOT_DTYPE=_TL_DTYPES[dot_dtype], IEEE=dot_dtype == torch.float32,
-        num_warps=tile["num_warps"], num_stages=tile["num_stages"])
-    return out
+        PAIR=second is not None, num_warps=tile["num_warps"], num_stages=tile["num_stages"])
+    return (out, out2) if second is not None else out
 
 
 def dequantize_weight(weight: torch.Tensor, scale: torch.Tensor, fmt: int, n: int, k: int) -> torch.Tensor:
@@ -198,6 +226,35 @@ def fp8_row_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, f
     """fp4_linear for a weight re-encoded at load by quant.fp4_to_fp8_weight: e4m3 [N, K], E8M0 scale [N, K/32]."""
     n, k = weight.shape
     return _quantized(x, weight, scale, FMT_FP8_ROW, n, k, fp8_dot)
+
+
+def linear_pair(x: torch.Tensor, first: tuple[torch.Tensor, torch.Tensor | None],
+                second: tuple[torch.Tensor, torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8_linear or dense_linear of x by the first weight, the same by the second) with one activation QDQ and one
+    launch for decode-sized calls: two FP8 weights (scales given) or two bf16/fp16 weights (scales None) of the
+    same K. Each output is the one-weight call's math; only the split of K (from both weights' rows) differs."""
+    (w1, s1), (w2, s2) = first, second
+    k = w1.shape[1]
+    quantized = s1 is not None
+    if w2.shape[1] != k or (s2 is not None) != quantized or w2.dtype != w1.dtype:
+        raise ValueError("linear_pair takes two FP8 weights with scales or two dense weights of one dtype and K")
+    if x.shape[-1] != k:
+        raise ValueError(f"input has {x.shape[-1]} features, the weights expect {k}")
+    rows = x.reshape(-1, k)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    if rows.shape[0] > DECODE_MAX_ROWS or w1.stride(-1) != 1 or w2.stride(-1) != 1 or (
+            not quantized and w1.dtype not in (torch.bfloat16, torch.float16)):
+        one = (lambda w, s: fp8_linear(x, w, s)) if quantized else (lambda w, s: dense_linear(x, w))
+        return one(w1, s1), one(w2, s2)
+    n1, n2 = w1.shape[0], w2.shape[0]
+    if quantized:
+        out1, out2 = run_linear(fp8_act_qdq(rows, torch.bfloat16), None, w1, s1, FMT_FP8_TILE, n1, k, x.dtype,
+                                torch.bfloat16, second=(w2, s2, n2))
+    else:
+        out1, out2 = run_linear(rows.to(w1.dtype), None, w1, None, FMT_DENSE, n1, k, w1.dtype, w1.dtype,
+                                second=(w2, None, n2))
+    return out1.view(*x.shape[:-1], n1), out2.view(*x.shape[:-1], n2)
 
 
 def fp8_dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
