@@ -60,10 +60,11 @@ def with_weight_mode(config, weight_mode: str):
 
 def quantized_weight_kinds(config) -> dict[str, str]:
     """weight name -> KIND_* for every weight the hub stores quantized (its scale is `scale_name(name)`)."""
+    from modeling_deepseek_v41.kernels.linear import STORAGE_FP4, STORAGE_FP8
     from modeling_deepseek_v41.layers.engram import DeepseekV41EngramTable
-    from modeling_deepseek_v41.model.causal_lm import DeepseekV41ForCausalLM
-    from modeling_deepseek_v41.kernels.linear import STORAGE_FP4, STORAGE_FP8, DeepseekV41Weight
+    from modeling_deepseek_v41.layers.linear import DeepseekV41Weight
     from modeling_deepseek_v41.loading.loader import hub_name
+    from modeling_deepseek_v41.model.causal_lm import DeepseekV41ForCausalLM
 
     with torch.device("meta"):
         model = DeepseekV41ForCausalLM(with_weight_mode(config, "quantized"))

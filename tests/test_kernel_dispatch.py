@@ -113,7 +113,7 @@ def test_k_token_forward_equals_k_single_steps_through_the_kernels(kernel_calls)
 
 def test_grad_enabled_dense_calls_keep_the_emulation(kernel_calls):
     """A trainable dense weight needs its own gradient, which the kernels do not give: torch's linear."""
-    from modeling_deepseek_v41.kernels.linear import DeepseekV41Linear
+    from modeling_deepseek_v41.layers.linear import DeepseekV41Linear
 
     layer = DeepseekV41Linear(64, 32, storage="dense", dtype=torch.float32)
     torch.nn.init.normal_(layer.weight)
@@ -132,7 +132,7 @@ def test_adapter_training_runs_both_directions_on_the_kernels(kernel_calls, stor
     """A frozen FP8/FP4 linear under autograd (LoRA on the shipped weights): the forward takes the linear kernel
     and the input gradient the dequantize kernel plus one GEMM, never the emulation's whole-weight fp32 copy; both
     agree with the emulation."""
-    from modeling_deepseek_v41.kernels.linear import DeepseekV41Linear
+    from modeling_deepseek_v41.layers.linear import DeepseekV41Linear
 
     layer = DeepseekV41Linear(128, 64, storage=storage)
     quantize = numerics.quantize_fp8_weight if storage == "fp8" else numerics.quantize_fp4_weight

@@ -8,13 +8,12 @@ import torch
 from torch import nn
 
 from ..config.layer_plan import LayerSpec
-from ..kernels.linear import DeepseekV41Linear, DeepseekV41RMSNorm, DeepseekV41Weight
 from ..kernels.numerics import POOL_KV_BLOCK, fp4_quantize_rows, weight_dtype
 from ..kernels.sparse_attention import attend_stored, sparse_attention, window_kv
 from .compressor import DeepseekV41Compressor
 from .indexer import QUERY_CHUNK, DeepseekV41Indexer  # queries attended per step: as many as are indexed
+from .linear import DeepseekV41Linear, DeepseekV41RMSNorm, DeepseekV41Weight
 from .rotary import apply_rope_tail, rope_angles
-
 
 
 @dataclass

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ..kernels.numerics import WEIGHT_BLOCK, compute_dtype, fp8_dequantize_rows, weight_dtype
-from ..kernels.linear import DeepseekV41Linear
+from .linear import DeepseekV41Linear
 
 
 def looked_up_rows(rows: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:

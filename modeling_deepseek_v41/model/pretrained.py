@@ -12,11 +12,12 @@ from transformers import initialization as init
 from transformers.utils import logging
 
 from ..config.configuration_deepseek_v41 import DeepseekV41Config, config_without_dspark
-from ..kernels.linear import STORAGE_FP4, STORAGE_FP8, DeepseekV41RMSNorm, DeepseekV41Weight
+from ..kernels.linear import STORAGE_FP4, STORAGE_FP8
 from ..kernels.numerics import quantize_fp4_weight, quantize_fp8_weight
 from ..layers.block import DeepseekV41Block
 from ..layers.engram import DeepseekV41Engram, DeepseekV41EngramTable
 from ..layers.engram_hashing import default_token_map
+from ..layers.linear import DeepseekV41RMSNorm, DeepseekV41Weight
 from ..loading import loader
 from ..loading.checkpoint_layout import holds_drafter
 from ..loading.parameter_count import logical_num_parameters
