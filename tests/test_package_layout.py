@@ -10,7 +10,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "modeling_deepseek_v41"
 NAME = PACKAGE.name
 MAX_LINES = 400
 # bottom to top: a sub-package imports only from itself and those before it
-LAYERS = ("config", "kernels", "layers", "cache", "loading", "model")
+LAYERS = ("config", "kernels", "layers", "cache", "loading", "model", "tools")
 
 
 def _modules() -> dict[str, Path]:

@@ -77,7 +77,7 @@ def deepseek_device_map(model: nn.Module, max_memory: dict | None = None, main_r
     units = spread_units(model)
     modules = dict(model.named_modules())
     main_keys = _main_keys(model, set(units))
-    main_bytes = sum(_key_bytes(model, modules, key) for key in main_keys)
+    main_bytes = sum(key_bytes(model, modules, key) for key in main_keys)
     room = {d: float(max_memory[d]) for d in devices}
     room[main] = room[main] * (1 - main_reserve) - main_bytes
     if room[main] < 0:
@@ -99,7 +99,9 @@ def deepseek_device_map(model: nn.Module, max_memory: dict | None = None, main_r
     return device_map
 
 
-def _key_bytes(model: nn.Module, modules: dict[str, nn.Module], key: str) -> int:
+def key_bytes(model: nn.Module, modules: dict[str, nn.Module], key: str) -> int:
+    """Bytes a device-map key places: a whole module, or one direct parameter or buffer (`modules`: the model's
+    named_modules(), passed in so that a caller summing many keys builds it once)."""
     if key in modules:
         return module_bytes(modules[key])
     owner, _, name = key.rpartition(".")
