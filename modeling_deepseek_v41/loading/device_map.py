@@ -16,6 +16,25 @@ import torch
 from torch import nn
 
 OFFLOAD_DEVICES = ("cpu", "disk")
+_AUTO_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def multi_device_map(device_map) -> str:
+    """How a device_map argument places the model: "auto" (ours, on CUDA), "explicit" over several devices, or ""."""
+    if isinstance(device_map, str) and device_map in _AUTO_MAPS and torch.cuda.device_count() > 0:
+        return "auto"
+    if isinstance(device_map, dict) and len({d for d in device_map.values() if d not in ("cpu", "disk")}) > 1:
+        return "explicit"
+    return ""
+
+
+def resolve_device_map(skeleton: nn.Module, device_map, max_memory: dict | None):
+    """The device map to load with, from a meta-device skeleton: the CSA2-aware map for "auto", or the given map
+    after checking that it keeps each layer's attention side on one device."""
+    if multi_device_map(device_map) == "auto":
+        return deepseek_device_map(skeleton, max_memory)
+    check_device_map(skeleton, device_map)
+    return device_map
 
 
 def spread_units(model: nn.Module) -> list[str]:
