@@ -69,12 +69,12 @@ def bit_identical(a: Path, b: Path) -> bool:
     """Every tensor of two checkpoints has the same dtype, shape and bytes (read one tensor at a time)."""
     import torch
 
-    from conversion_scripts.safetensors_io import tensor_sources
+    from modeling_deepseek_v41.loading.safetensors_file import safetensors_entries
 
     def sources(folder: Path) -> dict:
         found = {}
         for shard in sorted(folder.glob("model-*.safetensors")):
-            found.update(tensor_sources(shard))
+            found.update(safetensors_entries(shard))
         return found
 
     left, right = sources(a), sources(b)

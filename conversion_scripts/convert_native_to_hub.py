@@ -19,18 +19,20 @@ import json
 from functools import partial
 from pathlib import Path
 
+from modeling_deepseek_v41.loading.safetensors_file import SafetensorsEntry, safetensors_entries
+
 from .cli import run_cli
 from .layout import (
     SIDECAR_PREFIX, CheckpointError, copy_auxiliary_files, inspect_source, load_config, quantized_weight_kinds,
     scale_name, source_files, with_weight_mode, write_hub_config,
 )
-from .safetensors_io import PlannedTensor, TensorSource, tensor_sources
+from .safetensors_io import PlannedTensor
 from .streaming import OutputGroup, parse_size, plan_fingerprint, plan_shards, source_identity, write_index, \
     write_shards
 from .tensor_ops import DEFAULT_CHUNK_BYTES, copy_cast, quantize
 
 
-def hub_scale_priors(src: Path, expected: dict) -> dict[str, TensorSource]:
+def hub_scale_priors(src: Path, expected: dict) -> dict[str, SafetensorsEntry]:
     """The hub scales kept next to a bf16 native checkpoint, where their shapes still fit (empty when absent)."""
     index = src / f"{SIDECAR_PREFIX}.safetensors.index.json"
     if not index.exists():
@@ -39,7 +41,7 @@ def hub_scale_priors(src: Path, expected: dict) -> dict[str, TensorSource]:
     for filename in sorted(set(json.loads(index.read_text())["weight_map"].values())):
         if not (src / filename).exists():
             raise CheckpointError(f"{filename}, listed in {index.name}, is missing from {src}.")
-        for name, source in tensor_sources(src / filename).items():
+        for name, source in safetensors_entries(src / filename).items():
             if name in expected and (source.shape, source.dtype) == expected[name]:
                 priors[name] = source
     return priors

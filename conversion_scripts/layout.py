@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 
 from modeling_deepseek_v41.loading.checkpoint_layout import checkpoint_files
+from modeling_deepseek_v41.loading.safetensors_file import SafetensorsEntry, safetensors_entries
 from modeling_deepseek_v41.model.checkpoint import validate_checkpoint_folder
 
-from .safetensors_io import TensorSource, tensor_sources
 
 HUB_QUANTIZATION_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [32, 32],
                            "scale_fmt": "ue8m0", "expert_dtype": "fp4"}
@@ -60,10 +60,11 @@ def with_weight_mode(config, weight_mode: str):
 
 def quantized_weight_kinds(config) -> dict[str, str]:
     """weight name -> KIND_* for every weight the hub stores quantized (its scale is `scale_name(name)`)."""
+    from modeling_deepseek_v41.kernels.linear import STORAGE_FP4, STORAGE_FP8
     from modeling_deepseek_v41.layers.engram import DeepseekV41EngramTable
-    from modeling_deepseek_v41.model.causal_lm import DeepseekV41ForCausalLM
-    from modeling_deepseek_v41.kernels.linear import STORAGE_FP4, STORAGE_FP8, DeepseekV41Weight
+    from modeling_deepseek_v41.layers.linear import DeepseekV41Weight
     from modeling_deepseek_v41.loading.loader import hub_name
+    from modeling_deepseek_v41.model.causal_lm import DeepseekV41ForCausalLM
 
     with torch.device("meta"):
         model = DeepseekV41ForCausalLM(with_weight_mode(config, "quantized"))
@@ -81,7 +82,7 @@ def scale_name(weight_name: str) -> str:
     return weight_name[: -len("weight")] + "scale"
 
 
-def inspect_source(folder: str | Path, config, hub_layout: bool) -> dict[str, TensorSource]:
+def inspect_source(folder: str | Path, config, hub_layout: bool) -> dict[str, SafetensorsEntry]:
     """Check the folder against `config` from the headers alone (missing shard, truncated shard, missing / extra /
     mis-shaped tensors, index entries that point at the wrong shard) and locate every tensor's bytes."""
     folder = Path(folder)
@@ -90,9 +91,9 @@ def inspect_source(folder: str | Path, config, hub_layout: bool) -> dict[str, Te
         files = checkpoint_files(folder)
     except (ValueError, OSError) as error:
         raise CheckpointError(str(error)) from error
-    sources: dict[str, TensorSource] = {}
+    sources: dict[str, SafetensorsEntry] = {}
     for path in files:
-        for name, source in tensor_sources(path).items():
+        for name, source in safetensors_entries(path).items():
             if name in sources:
                 raise CheckpointError(f"tensor {name} is stored twice: in {sources[name].path.name} and {path.name}")
             sources[name] = source
@@ -107,7 +108,7 @@ def inspect_source(folder: str | Path, config, hub_layout: bool) -> dict[str, Te
     return sources
 
 
-def source_files(sources: dict[str, TensorSource]) -> list[Path]:
+def source_files(sources: dict[str, SafetensorsEntry]) -> list[Path]:
     """The distinct files, in order of first appearance."""
     return list(dict.fromkeys(s.path for s in sources.values()))
 

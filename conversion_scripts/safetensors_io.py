@@ -1,4 +1,5 @@
-"""Reading row ranges of safetensors tensors and writing shards tensor piece by tensor piece.
+"""Writing safetensors shards tensor piece by tensor piece; reading goes through the model package's one header
+reader (`modeling_deepseek_v41.loading.safetensors_file`: `safetensors_entries`, `SafetensorsEntry.read_rows`).
 
 Both sides use plain positioned file reads and writes rather than memory maps, so converting a tensor holds only the
 rows being converted: peak memory is set by the chunk size, not by the size of a shard or of a tensor.
@@ -14,60 +15,10 @@ from pathlib import Path
 
 import torch
 
-from modeling_deepseek_v41.loading.checkpoint_layout import SAFETENSORS_DTYPES, read_safetensors_header
+from modeling_deepseek_v41.loading.safetensors_file import SAFETENSORS_DTYPES
 
 DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 _HEADER_ALIGN = 8
-
-
-@dataclass(frozen=True)
-class TensorSource:
-    """Where one stored tensor's bytes are: file, absolute data offset, shape and dtype."""
-
-    path: Path
-    start: int
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def rows(self) -> int:
-        return self.shape[0] if self.shape else 1
-
-    @property
-    def row_bytes(self) -> int:
-        return math.prod(self.shape[1:]) * self.dtype.itemsize
-
-    def read_rows(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        """Rows [start, stop) along the first dim (the whole tensor by default), as a fresh tensor."""
-        stop = self.rows if stop is None else stop
-        count = (stop - start) * self.row_bytes
-        shape = ((stop - start),) + self.shape[1:] if self.shape else ()
-        if count == 0:
-            return torch.empty(shape, dtype=self.dtype)
-        buffer = bytearray(count)
-        with open(self.path, "rb") as handle:
-            handle.seek(self.start + start * self.row_bytes)
-            if handle.readinto(buffer) != count:
-                raise ValueError(f"{self.path.name} is truncated: a tensor's bytes end past the end of the file.")
-        return torch.frombuffer(buffer, dtype=torch.uint8).view(self.dtype).reshape(shape)
-
-
-def tensor_sources(path: str | Path) -> dict[str, TensorSource]:
-    """name -> TensorSource for every tensor of one safetensors file (a truncated file is a clear error)."""
-    path = Path(path)
-    read_safetensors_header(path)  # raises, naming the file, when it is truncated
-    with open(path, "rb") as handle:
-        header_len = struct.unpack("<Q", handle.read(8))[0]
-        header = json.loads(handle.read(header_len))
-    header.pop("__metadata__", None)
-    data_start = 8 + header_len
-    sources = {}
-    for name, info in header.items():
-        if info["dtype"] not in SAFETENSORS_DTYPES:
-            raise ValueError(f"{path.name}: tensor {name} has dtype {info['dtype']}, which this converter cannot read.")
-        sources[name] = TensorSource(path, data_start + info["data_offsets"][0], tuple(info["shape"]),
-                                     SAFETENSORS_DTYPES[info["dtype"]])
-    return sources
 
 
 @dataclass(frozen=True)

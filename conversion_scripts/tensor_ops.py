@@ -15,9 +15,9 @@ from modeling_deepseek_v41.kernels.numerics import (
     WEIGHT_BLOCK, dequantize_fp4_weight, dequantize_fp8_weight, e2m1_codes, e2m1_values, fp8_dequantize_rows,
     fp8_quantize_rows, pack_nibbles, quantize_fp4_weight, quantize_fp8_weight, to_e4m3, unpack_nibbles,
 )
+from modeling_deepseek_v41.loading.safetensors_file import SafetensorsEntry
 
 from .layout import KIND_FP4, KIND_FP8_TILE
-from .safetensors_io import TensorSource
 from .streaming import Piece, check_finite
 
 DEFAULT_CHUNK_BYTES = 16 * 2**20  # fp32 bytes of one chunk of dense rows
@@ -30,12 +30,12 @@ def row_chunks(rows: int, row_values: int, chunk_bytes: int = DEFAULT_CHUNK_BYTE
         yield start, min(rows, start + per_chunk)
 
 
-def _dense_row_values(source: TensorSource, kind: str | None) -> int:
+def _dense_row_values(source: SafetensorsEntry, kind: str | None) -> int:
     columns = math.prod(source.shape[1:])
     return columns * 2 if kind == KIND_FP4 else columns
 
 
-def copy_cast(source: TensorSource, name: str, dtype: torch.dtype, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+def copy_cast(source: SafetensorsEntry, name: str, dtype: torch.dtype, chunk_bytes: int = DEFAULT_CHUNK_BYTES
               ) -> Iterator[Piece]:
     """The tensor as stored, cast to `dtype` (exact for bf16 <-> fp32 of bf16 values; bytes kept otherwise)."""
     for start, stop in row_chunks(source.rows, _dense_row_values(source, None), chunk_bytes):
@@ -43,7 +43,7 @@ def copy_cast(source: TensorSource, name: str, dtype: torch.dtype, chunk_bytes: 
         yield name, start, piece if piece.dtype == dtype else piece.to(dtype)
 
 
-def dequantize(kind: str, weight: TensorSource, scale: TensorSource, name: str, dtype: torch.dtype,
+def dequantize(kind: str, weight: SafetensorsEntry, scale: SafetensorsEntry, name: str, dtype: torch.dtype,
                chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[Piece]:
     """The exact dense value of an FP8 (32x32 tiles or per-row-32) or packed FP4 weight, in `dtype`."""
     for start, stop in row_chunks(weight.rows, _dense_row_values(weight, kind), chunk_bytes):
@@ -109,7 +109,7 @@ def _quantize_groups(dense: torch.Tensor, prior: torch.Tensor | None, fp4: bool)
     return (pack_nibbles(chosen).view(torch.int8) if fp4 else chosen), scales
 
 
-def quantize(kind: str, dense: TensorSource, weight_name: str, scale_name: str, prior: TensorSource | None = None,
+def quantize(kind: str, dense: SafetensorsEntry, weight_name: str, scale_name: str, prior: SafetensorsEntry | None = None,
              chunk_bytes: int = DEFAULT_CHUNK_BYTES, keep_non_finite: bool = False) -> Iterator[Piece]:
     """Quantize a dense weight to the hub's storage (the numerics module's rules), yielding weight and scale pieces.
 

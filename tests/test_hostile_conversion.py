@@ -17,9 +17,9 @@ from conversion_scripts.convert_hub_to_native import convert_hub_to_native
 from conversion_scripts.convert_hub_to_native import main as hub_to_native_main
 from conversion_scripts.convert_native_to_hub import convert_native_to_hub
 from conversion_scripts.convert_native_to_hub import main as native_to_hub_main
-from conversion_scripts.safetensors_io import tensor_sources
 from conversion_scripts.streaming import MANIFEST, NonFiniteWeightError, file_digest, partial_dir
 from modeling_deepseek_v41.kernels.numerics import dequantize_fp8_weight
+from modeling_deepseek_v41.loading.safetensors_file import safetensors_entries
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "tiny-text" / "checkpoint"
 FIRST, SECOND = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
@@ -33,9 +33,9 @@ def folder_bytes(folder: Path) -> dict[str, bytes]:
 def poke(folder: Path, name: str, value: bytes, element: int = 0) -> None:
     """Overwrite element `element` of tensor `name` in place (same file size, header untouched)."""
     weight_map = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
-    source = tensor_sources(folder / weight_map[name])[name]
+    source = safetensors_entries(folder / weight_map[name])[name]
     with open(source.path, "r+b") as handle:
-        handle.seek(source.start + element * source.dtype.itemsize)
+        handle.seek(source.offset + element * source.dtype.itemsize)
         handle.write(value)
 
 

@@ -30,8 +30,9 @@ from reference_cases import load_case, load_model, model_case_dirs  # noqa: E402
 TEXT_CASE = next((c for c in model_case_dirs() if c.name == "tiny-text"), None)
 pytestmark = pytest.mark.skipif(TEXT_CASE is None, reason="the tiny-text fixture is not present")
 KERNELS = ("fp8_linear", "fp4_linear", "dense_linear", "grouped_linear", "grouped_moe", "fp8_dequantize",
-           "fp4_dequantize")
-MODEL_KERNELS = {"fp8_linear", "dense_linear", "grouped_linear", "grouped_moe"}  # FP4 experts: inside grouped_moe
+           "fp4_dequantize", "linear_pair")
+# FP4 experts: inside grouped_moe; wq_a with wkv and the shared expert's w1 with w3: linear_pair
+MODEL_KERNELS = {"fp8_linear", "dense_linear", "grouped_linear", "grouped_moe", "linear_pair"}
 
 
 @pytest.fixture
@@ -71,6 +72,31 @@ def kernel_calls(monkeypatch):
 
 def _model():
     return copy.deepcopy(load_model(str(TEXT_CASE)))
+
+
+def test_two_plain_linears_of_one_input_are_one_kernel_call(kernel_calls):
+    """linear_pair: the attention's wq_a and wkv in one launch, each output its linear's; a module that wraps one
+    of them (an adapter) is called as it is, and so is a pair that records gradients."""
+    from modeling_deepseek_v41.layers.linear import linear_pair
+
+    attn = _model().model.layers[0].attn
+    x = torch.randn(1, 3, attn.wq_a.in_features, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    with torch.no_grad():
+        q, kv = linear_pair(x, attn.wq_a, attn.wkv)
+        assert kernel_calls == Counter(linear_pair=1)
+        torch.testing.assert_close(q, attn.wq_a(x), rtol=0, atol=0.02)
+        torch.testing.assert_close(kv, attn.wkv(x), rtol=0, atol=0.02)
+
+        class Doubled(torch.nn.Module):
+            def forward(self, t):
+                return 2 * attn.wkv(t)
+
+        kernel_calls.clear()
+        linear_pair(x, attn.wq_a, Doubled())
+        assert kernel_calls == Counter(fp8_linear=2)
+    kernel_calls.clear()
+    linear_pair(x.requires_grad_(), attn.wq_a, attn.wkv)
+    assert "linear_pair" not in kernel_calls
 
 
 @pytest.mark.slow  # the interpreter runs every kernel program in numpy: minutes on 2 busy cores
@@ -113,7 +139,7 @@ def test_k_token_forward_equals_k_single_steps_through_the_kernels(kernel_calls)
 
 def test_grad_enabled_dense_calls_keep_the_emulation(kernel_calls):
     """A trainable dense weight needs its own gradient, which the kernels do not give: torch's linear."""
-    from modeling_deepseek_v41.kernels.linear import DeepseekV41Linear
+    from modeling_deepseek_v41.layers.linear import DeepseekV41Linear
 
     layer = DeepseekV41Linear(64, 32, storage="dense", dtype=torch.float32)
     torch.nn.init.normal_(layer.weight)
@@ -132,7 +158,7 @@ def test_adapter_training_runs_both_directions_on_the_kernels(kernel_calls, stor
     """A frozen FP8/FP4 linear under autograd (LoRA on the shipped weights): the forward takes the linear kernel
     and the input gradient the dequantize kernel plus one GEMM, never the emulation's whole-weight fp32 copy; both
     agree with the emulation."""
-    from modeling_deepseek_v41.kernels.linear import DeepseekV41Linear
+    from modeling_deepseek_v41.layers.linear import DeepseekV41Linear
 
     layer = DeepseekV41Linear(128, 64, storage=storage)
     quantize = numerics.quantize_fp8_weight if storage == "fp8" else numerics.quantize_fp4_weight

@@ -192,3 +192,24 @@ def test_from_pretrained_builds_the_model_once(monkeypatch, extra):
     model = AutoModelForCausalLM.from_pretrained(CHECKPOINT, **extra)
     assert built == ["DeepseekV41ForCausalLM"]
     assert model.config.weight_mode == extra.get("weight_mode", "quantized")
+
+
+def test_from_pretrained_runs_the_pipeline_steps_in_order(monkeypatch):
+    """from_pretrained is the loading pipeline: every step once, in the order its module documents."""
+    from modeling_deepseek_v41.loading import pipeline
+
+    names = [step.__name__ for step in pipeline.STEPS]
+    documented = [pipeline.__doc__.index(f"{i}. {name} ") for i, name in enumerate(names, start=1)]
+    assert documented == sorted(documented)
+    ran = []
+
+    def recording(step):
+        def run(request):
+            ran.append(step.__name__)
+            step(request)
+        return run
+
+    monkeypatch.setattr(pipeline, "STEPS", tuple(recording(step) for step in pipeline.STEPS))
+    model = AutoModelForCausalLM.from_pretrained(CHECKPOINT, engram_storage="mmap")
+    assert ran == names
+    assert model.model.layers[1].engram.embed.external is not None  # attached by its step

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from modeling_deepseek_v41 import DeepseekV41Config
-from modeling_deepseek_v41.model.memory_plan import memory_plan
+from modeling_deepseek_v41.tools.memory_plan import memory_plan
 from reference_cases import FIXTURES
 
 

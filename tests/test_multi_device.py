@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 import modeling_deepseek_v41  # noqa: F401
 from modeling_deepseek_v41 import DeepseekV41Config, DeepseekV41ForCausalLM
 from modeling_deepseek_v41.loading.device_map import (
-    _key_bytes, attention_side_devices, check_device_map, deepseek_device_map, module_bytes, spread_units,
+    attention_side_devices, check_device_map, deepseek_device_map, key_bytes, module_bytes, spread_units,
 )
 from reference_cases import FIXTURES
 
@@ -77,7 +77,7 @@ def _bytes_per_device(model, device_map) -> dict:
     modules = dict(model.named_modules())
     totals: dict = {}
     for key, device in device_map.items():
-        totals[device] = totals.get(device, 0) + _key_bytes(model, modules, key)
+        totals[device] = totals.get(device, 0) + key_bytes(model, modules, key)
     return totals
 
 

@@ -10,7 +10,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "modeling_deepseek_v41"
 NAME = PACKAGE.name
 MAX_LINES = 400
 # bottom to top: a sub-package imports only from itself and those before it
-LAYERS = ("config", "kernels", "layers", "cache", "loading", "model")
+LAYERS = ("config", "kernels", "layers", "cache", "loading", "model", "tools")
 
 
 def _modules() -> dict[str, Path]:
@@ -134,3 +134,19 @@ def test_layers_never_test_the_device():
             if hits:
                 offenders.append(f"{path.name}:{node.lineno} {hits}")
     assert not offenders, offenders
+
+
+def _dotted(node: ast.expr) -> str:
+    return f"{_dotted(node.value)}.{node.attr}" if isinstance(node, ast.Attribute) else getattr(node, "id", "")
+
+
+def test_kernels_define_no_modules():
+    """kernels/ holds ops (functions); the nn.Modules that hold weights and call them live in layers/."""
+    modules = []
+    for path in sorted((PACKAGE / "kernels").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef):
+                bases = [_dotted(base) for base in node.bases]
+                if any(b == "Module" or b.startswith(("nn.", "torch.nn.")) for b in bases):
+                    modules.append(f"{path.relative_to(PACKAGE)}: {node.name}({', '.join(bases)})")
+    assert not modules, "nn.Module subclasses under kernels/:\n" + "\n".join(modules)

@@ -13,7 +13,7 @@ from torch import nn
 peft = pytest.importorskip("peft")
 
 import modeling_deepseek_v41  # noqa: E402,F401
-from modeling_deepseek_v41.kernels.linear import DeepseekV41Linear  # noqa: E402
+from modeling_deepseek_v41.layers.linear import DeepseekV41Linear  # noqa: E402
 from modeling_deepseek_v41.loading.loader import hub_name  # noqa: E402
 from reference_cases import bit_equal  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoProcessor, Trainer, TrainingArguments  # noqa: E402

@@ -63,6 +63,8 @@ def _worker(rank: int, world: int, port: int, folder: str, dense_folder: str) ->
             "expert_range": ffn.expert_range,
             "remote": [i for i, e in enumerate(ffn.experts) if isinstance(e, RemoteExpert)],
             "table_rows": model.model.layers[1].engram.embed.weight.shape[0],
+            "table_row_range": model.model.layers[1].engram.embed.row_range,
+            "patched_forwards": [name for name, m in model.named_modules() if "forward" in vars(m)],
             "head_rows": model.lm_head.weight.shape[0],
         }
         torch.save(results, os.path.join(folder, f"rank{rank}.pt"))
@@ -107,4 +109,6 @@ def test_each_rank_holds_its_shards(two_rank_results):
         assert layout["expert_range"] == (4 * rank, 4 * rank + 4)
         assert layout["remote"] == [i for i in range(8) if not 4 * rank <= i < 4 * rank + 4]
         assert layout["table_rows"] == 6126 // 2 and layout["head_rows"] == 512 // 2
+        assert layout["table_row_range"] == (3063 * rank, 3063 * (rank + 1))
+        assert layout["patched_forwards"] == []  # the styles set the layers' hooks, never replace a forward
         assert results["float64_heads"] == 2  # distributed_config=DistributedConfig(tp_plan="auto") shards too

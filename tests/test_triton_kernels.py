@@ -1,4 +1,4 @@
-"""The Triton kernels against the fp32 emulation (kernels.numerics, kernels.linear, layers.moe).
+"""The Triton kernels against the fp32 emulation (kernels.numerics, kernels.linear, layers.linear, layers.moe).
 
 Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set before the kernels are defined) on
 small shapes; the interpreter runs every kernel here, FP8 dots included. With a GPU the same checks run compiled,
@@ -28,7 +28,7 @@ from modeling_deepseek_v41.kernels.triton.moe import MOE_DECODE_TILE  # noqa: E4
 from modeling_deepseek_v41.kernels.triton.moe_schedule import expert_blocks  # noqa: E402
 from modeling_deepseek_v41.kernels.expert_ops import gathered_swiglu  # noqa: E402
 from modeling_deepseek_v41.kernels import numerics  # noqa: E402
-from modeling_deepseek_v41.kernels.linear import DeepseekV41Linear  # noqa: E402
+from modeling_deepseek_v41.layers.linear import DeepseekV41Linear  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
 BF16_ULP = 2.0**-7  # one bf16 ulp, relative, at worst

@@ -13,7 +13,7 @@ def triton_kernels():
 
 
 def gpu_linear(x: torch.Tensor, storage: str, weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """DeepseekV41Linear.forward through the kernels: FP8 block-scaled, packed FP4, or dense (bf16/fp16/fp32
+    """kernels.linear.stored_linear through the kernels: FP8 block-scaled, packed FP4, or dense (bf16/fp16/fp32
     weights; batch invariant up to the kernels' decode row count, cuBLAS above)."""
     kernels = triton_kernels()
     if storage == "fp8":

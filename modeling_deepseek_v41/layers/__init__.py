@@ -1,2 +1,3 @@
-"""The model's layers (nn.Modules with the hub checkpoint's names): attention (CSA2, compressor, indexer), MoE,
-Engram, hyper-connections, rotary embedding, blocks, the vision tower and the DSpark drafter's modules."""
+"""The model's layers (nn.Modules with the hub checkpoint's names): the stored-format linears and RMSNorm, attention
+(CSA2, compressor, indexer), MoE, Engram, hyper-connections, rotary embedding, blocks, the vision tower and the
+DSpark drafter's modules."""

@@ -8,13 +8,12 @@ import torch
 from torch import nn
 
 from ..config.layer_plan import LayerSpec
-from ..kernels.linear import DeepseekV41Linear, DeepseekV41RMSNorm, DeepseekV41Weight, linear_pair
 from ..kernels.numerics import POOL_KV_BLOCK, fp4_quantize_rows, weight_dtype
 from ..kernels.sparse_attention import attend_stored, sparse_attention, window_kv
 from .compressor import DeepseekV41Compressor
 from .indexer import QUERY_CHUNK, DeepseekV41Indexer  # queries attended per step: as many as are indexed
+from .linear import DeepseekV41Linear, DeepseekV41RMSNorm, DeepseekV41Weight, linear_pair
 from .rotary import apply_rope_tail, rope_angles
-
 
 
 @dataclass
@@ -39,28 +38,37 @@ class DeepseekV41Attention(nn.Module):
     def __init__(self, config, spec: LayerSpec, quantized: bool) -> None:
         super().__init__()
         self.spec = spec
-        self.n_heads = config.num_attention_heads
         self.head_dim = config.head_dim
         self.rope_dim = config.qk_rope_head_dim
-        self.n_groups = config.o_groups
         self.o_lora_rank = config.o_lora_rank
         self.window = config.sliding_window
         self.softmax_scale = self.head_dim**-0.5
         fp8 = "fp8" if quantized else "dense"
-        self.attn_sink = nn.Parameter(torch.empty(self.n_heads, dtype=weight_dtype(torch.float32)))
+        heads, groups = config.num_attention_heads, config.o_groups
+        self.attn_sink = nn.Parameter(torch.empty(heads, dtype=weight_dtype(torch.float32)))
         self.wq_a = DeepseekV41Linear(config.hidden_size, config.q_lora_rank, storage=fp8)
         self.q_norm = DeepseekV41RMSNorm(config.q_lora_rank, config.rms_norm_eps)
-        self.wq_b = DeepseekV41Linear(config.q_lora_rank, self.n_heads * self.head_dim, storage=fp8)
+        self.wq_b = DeepseekV41Linear(config.q_lora_rank, heads * self.head_dim, storage=fp8)
         self.wkv = DeepseekV41Linear(config.hidden_size, self.head_dim, storage=fp8)
         self.kv_norm = DeepseekV41RMSNorm(self.head_dim, config.rms_norm_eps)
         # block-diagonal over groups: applied as a grouped einsum, in bf16 (exact dequantization of the FP8 bytes)
-        self.wo_a = DeepseekV41Weight(self.n_heads * self.head_dim // self.n_groups, self.n_groups * self.o_lora_rank,
-                                      storage=fp8)
-        self.wo_b = DeepseekV41Linear(self.n_groups * self.o_lora_rank, config.hidden_size, storage=fp8)
+        self.wo_a = DeepseekV41Weight(heads * self.head_dim // groups, groups * self.o_lora_rank, storage=fp8)
+        self.wo_b = DeepseekV41Linear(groups * self.o_lora_rank, config.hidden_size, storage=fp8)
         if spec.owns_pool:
             self.compressor = DeepseekV41Compressor(config, spec.ratio)
         if spec.is_index_source:
             self.indexer = DeepseekV41Indexer(config, spec, quantized)
+
+    @property
+    def n_heads(self) -> int:
+        """The query heads this layer runs, read from the sinks it holds (one per head): a tensor-parallel rank
+        holds its heads' sinks and wq_b rows, so sharding rewrites no attribute."""
+        return self.attn_sink.shape[0]
+
+    @property
+    def n_groups(self) -> int:
+        """The output groups this layer runs, read from the rows of wo_a it holds (o_lora_rank per group)."""
+        return self.wo_a.weight.shape[0] // self.o_lora_rank
 
     def _pool_rows(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, share) -> None:
         """Compress this chunk into new pool rows (RoPE'd at each group's first token, FP4-QDQ'd) and their

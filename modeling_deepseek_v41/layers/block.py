@@ -6,13 +6,13 @@ import torch
 from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from ..config.layer_plan import LayerSpec
+from ..kernels.mhc import MixWeights, hc_read, hc_write, hc_write_read
 from ..kernels.numerics import weight_dtype
 from .attention import DeepseekV41Attention
 from .engram import DeepseekV41Engram
-from ..config.layer_plan import LayerSpec
+from .linear import DeepseekV41RMSNorm
 from .moe import DeepseekV41MoE
-from ..kernels.linear import DeepseekV41RMSNorm
-from ..kernels.mhc import MixWeights, hc_read, hc_write, hc_write_read
 
 
 class DeepseekV41Block(GradientCheckpointingLayer):

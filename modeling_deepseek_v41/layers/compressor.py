@@ -7,8 +7,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from ..kernels.linear import DeepseekV41Linear, DeepseekV41RMSNorm
 from ..kernels.numerics import compute_dtype
+from .linear import DeepseekV41Linear, DeepseekV41RMSNorm
 
 
 class CompressorOutput(NamedTuple):

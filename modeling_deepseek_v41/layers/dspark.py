@@ -5,14 +5,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..config.layer_plan import LayerSpec
+from ..kernels.numerics import weight_dtype
+from ..kernels.sparse_attention import sparse_attention
 from .attention import DeepseekV41Attention
 from .block import DeepseekV41Block
-from ..config.layer_plan import LayerSpec
-from ..kernels.linear import DeepseekV41RMSNorm
-from ..kernels.numerics import weight_dtype
-from ..kernels.linear import DeepseekV41Linear
+from .linear import DeepseekV41Linear, DeepseekV41RMSNorm
 from .rotary import apply_rope_tail
-from ..kernels.sparse_attention import sparse_attention
 
 
 class DeepseekV41DSparkAttention(DeepseekV41Attention):

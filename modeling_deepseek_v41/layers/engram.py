@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -9,7 +10,7 @@ import torch
 from torch import nn
 
 from ..kernels.numerics import WEIGHT_BLOCK, compute_dtype, fp8_dequantize_rows, weight_dtype
-from ..kernels.linear import DeepseekV41Linear
+from .linear import DeepseekV41Linear
 
 
 def looked_up_rows(rows: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
@@ -57,6 +58,9 @@ class DeepseekV41EngramTable(nn.Module):
     def __init__(self, rows: int, head_dim: int, quantized: bool) -> None:
         super().__init__()
         self.quantized = quantized
+        # set by a tensor-parallel plan: the global rows [start, end) held here and the sum over the ranks' lookups
+        self.row_range: tuple[int, int] | None = None
+        self.reduce_rows: Callable[[torch.Tensor], torch.Tensor] | None = None
         if quantized:
             self.weight = nn.Parameter(torch.empty(rows, head_dim, dtype=torch.float8_e4m3fn), requires_grad=False)
             self.scale = nn.Parameter(torch.empty(rows, head_dim // WEIGHT_BLOCK, dtype=torch.float8_e8m0fnu),
@@ -66,7 +70,14 @@ class DeepseekV41EngramTable(nn.Module):
             self.register_parameter("scale", None)
 
     def forward(self, row_ids: torch.Tensor) -> torch.Tensor:
-        return looked_up_rows(self.weight[row_ids], self.scale[row_ids] if self.quantized else None)
+        if self.row_range is None:
+            return looked_up_rows(self.weight[row_ids], self.scale[row_ids] if self.quantized else None)
+        start, end = self.row_range  # rows held elsewhere look up row 0 here, then count as zeros
+        local = row_ids - start
+        owned = (local >= 0) & (local < end - start)
+        local = torch.where(owned, local, 0)
+        rows = looked_up_rows(self.weight[local], self.scale[local] if self.quantized else None)
+        return self.reduce_rows(torch.where(owned.unsqueeze(-1), rows, torch.zeros_like(rows)))
 
     @torch.no_grad()
     def dequantize_(self, dtype: torch.dtype = torch.bfloat16) -> None:

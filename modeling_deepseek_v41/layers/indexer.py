@@ -5,11 +5,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..kernels.linear import DeepseekV41RMSNorm
 from ..kernels.numerics import INDEX_BLOCK, fp4_qdq, fp4_quantize_rows
-from ..kernels.linear import DeepseekV41Linear
-from .rotary import apply_rope_tail
 from ..kernels.sparse_attention import candidate_mask, candidate_positions, select_candidate_blocks, stable_topk_indices
+from .linear import DeepseekV41Linear, DeepseekV41RMSNorm
+from .rotary import apply_rope_tail
 
 QUERY_CHUNK = 1024  # queries scored per step of a long prefill
 GATHER_MAX_QUERIES = 64  # up to this many queries, Reindex layers score only their candidate blocks

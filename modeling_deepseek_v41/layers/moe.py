@@ -10,8 +10,9 @@ from torch import nn
 from ..kernels.expert_ops import (  # noqa: F401  (gate_scores: the layers' import point)
     gate_scores, route, runs_stacked, stacked_experts, sum_in_slot_order, swiglu,
 )
-from ..kernels.linear import STORAGE_FP8, DeepseekV41Linear, linear_pair, row_invariant_linear
+from ..kernels.linear import STORAGE_FP8, row_invariant_linear
 from ..kernels.numerics import compute_dtype, weight_dtype
+from .linear import DeepseekV41Linear, linear_pair
 
 
 class DeepseekV41Gate(nn.Module):

@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.linear import DeepseekV41RMSNorm
-from ..kernels.numerics import compute_dtype, weight_dtype
 from ..config.configuration_deepseek_v41 import DeepseekV41VisionConfig
+from ..kernels.numerics import compute_dtype, weight_dtype
+from .linear import DeepseekV41RMSNorm
 
 # token types of an image span (see processing/): text, then the four kinds of span positions
 TOKEN_TYPE_TEXT = -1

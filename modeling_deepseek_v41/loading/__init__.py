@@ -1,2 +1,2 @@
-"""Loading and parallelism: checkpoint checks, what from_pretrained adds to transformers' loader, device maps,
-tensor parallelism, Engram tables off the device, parameter counts."""
+"""Loading and parallelism: `from_pretrained`'s ordered steps (pipeline.py), the safetensors header reader,
+checkpoint checks, device maps, tensor parallelism, Engram tables off the device, parameter counts."""

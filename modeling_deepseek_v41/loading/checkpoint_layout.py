@@ -1,5 +1,6 @@
-"""The checkpoint's tensors: how the hub stores each one, reading safetensors headers, and checking a folder
-against the tensors a model holds (given as data: name -> (shape, dtype)).
+"""The checkpoint's tensors: how the hub stores each one, the folder's files and index, and checking a folder
+against the tensors a model holds (given as data: name -> (shape, dtype)), from the headers `safetensors_file.py`
+reads.
 
 Checking reads only the safetensors headers, so a checkpoint with missing, extra or mis-shaped tensors is
 reported by name before a single weight is loaded.
@@ -8,24 +9,18 @@ reported by name before a single weight is loaded.
 from __future__ import annotations
 
 import functools
-import json
 import os
 import re
-import struct
 from collections import Counter
 from pathlib import Path
 
 import torch
 
+from .safetensors_file import SAFETENSORS_DTYPES, parse_json_object, read_safetensors_header
+
 # tensors the hub stores in fp32; every other fp32 parameter is stored bf16 and upcast exactly at load
 _STORED_FP32 = re.compile(r"(hc_(attn|ffn)_(fn|base|scale)|attn\.attn_sink|ffn\.gate\.bias(_vl)?)$")
 NOT_IN_HUB_CHECKPOINT = ("engram_token_map",)
-
-SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E8M0": torch.float8_e8m0fnu, "I8": torch.int8, "U8": torch.uint8,
-    "I64": torch.int64, "I32": torch.int32, "BOOL": torch.bool,
-}
 
 
 def hub_storage_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
@@ -47,22 +42,9 @@ def stored_tensors(held: dict[str, tuple[tuple[int, ...], torch.dtype]], hub_lay
     return expected
 
 
-def _parse_json(text: bytes | str, path: Path, what: str) -> dict:
-    """A JSON object read from `path`; a ValueError naming the file when it is not one."""
-    try:
-        parsed = json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ValueError(f"{path}: {what} is not valid JSON ({error}); the file is corrupted: re-download or "
-                         "re-convert the checkpoint.") from error
-    if not isinstance(parsed, dict):
-        raise ValueError(f"{path}: {what} is JSON but not an object; the file is corrupted: re-download or "
-                         "re-convert the checkpoint.")
-    return parsed
-
-
 def read_weight_map(index: Path) -> dict[str, str]:
     """The tensor -> shard map of a model.safetensors.index.json; a ValueError naming the file when unreadable."""
-    weight_map = _parse_json(index.read_text(errors="replace"), index, "the index").get("weight_map")
+    weight_map = parse_json_object(index.read_text(errors="replace"), index, "the index").get("weight_map")
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise ValueError(f"{index} has no weight_map of tensor names to shard files; the index is corrupted: "
                          "re-download it or delete it (the shards are then read directly).")
@@ -108,36 +90,6 @@ def check_local_paths_first(auto_class) -> None:
 
     from_pretrained.checks_local_paths = True
     auto_class.from_pretrained = classmethod(from_pretrained)
-
-
-def safetensors_header(path: str | os.PathLike) -> tuple[int, dict]:
-    """(header length, header) of one safetensors file, `__metadata__` removed; a clear error if truncated."""
-    path = Path(path)
-    size = path.stat().st_size
-    with open(path, "rb") as handle:
-        prefix = handle.read(8)
-        if len(prefix) < 8:
-            raise ValueError(f"{path.name} is truncated: it is too short to hold a safetensors header.")
-        header_len = struct.unpack("<Q", prefix)[0]
-        if 8 + header_len > size:
-            raise ValueError(f"{path.name} is truncated: its header says {header_len} bytes, the file is shorter.")
-        header = _parse_json(handle.read(header_len), path, "its safetensors header")
-    header.pop("__metadata__", None)
-    if not all(isinstance(info, dict) and len(info.get("data_offsets", ())) == 2 for info in header.values()):
-        raise ValueError(f"{path} has a malformed safetensors header (a tensor entry without data_offsets); the "
-                         "file is corrupted: re-download or re-convert it.")
-    end = max((info["data_offsets"][1] for info in header.values()), default=0)
-    if 8 + header_len + end > size:
-        raise ValueError(
-            f"{path.name} is truncated: its tensors need {8 + header_len + end} bytes but the file has {size}."
-        )
-    return header_len, header
-
-
-def read_safetensors_header(path: str | os.PathLike) -> dict[str, tuple[tuple[int, ...], str]]:
-    """name -> (shape, safetensors dtype string) from one file's header; a clear error if it is truncated."""
-    _, header = safetensors_header(path)
-    return {name: (tuple(info["shape"]), info["dtype"]) for name, info in header.items()}
 
 
 def checkpoint_files(folder: str | os.PathLike) -> list[Path]:

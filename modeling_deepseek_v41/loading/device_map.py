@@ -16,6 +16,25 @@ import torch
 from torch import nn
 
 OFFLOAD_DEVICES = ("cpu", "disk")
+_AUTO_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def multi_device_map(device_map) -> str:
+    """How a device_map argument places the model: "auto" (ours, on CUDA), "explicit" over several devices, or ""."""
+    if isinstance(device_map, str) and device_map in _AUTO_MAPS and torch.cuda.device_count() > 0:
+        return "auto"
+    if isinstance(device_map, dict) and len({d for d in device_map.values() if d not in ("cpu", "disk")}) > 1:
+        return "explicit"
+    return ""
+
+
+def resolve_device_map(skeleton: nn.Module, device_map, max_memory: dict | None):
+    """The device map to load with, from a meta-device skeleton: the CSA2-aware map for "auto", or the given map
+    after checking that it keeps each layer's attention side on one device."""
+    if multi_device_map(device_map) == "auto":
+        return deepseek_device_map(skeleton, max_memory)
+    check_device_map(skeleton, device_map)
+    return device_map
 
 
 def spread_units(model: nn.Module) -> list[str]:
@@ -77,7 +96,7 @@ def deepseek_device_map(model: nn.Module, max_memory: dict | None = None, main_r
     units = spread_units(model)
     modules = dict(model.named_modules())
     main_keys = _main_keys(model, set(units))
-    main_bytes = sum(_key_bytes(model, modules, key) for key in main_keys)
+    main_bytes = sum(key_bytes(model, modules, key) for key in main_keys)
     room = {d: float(max_memory[d]) for d in devices}
     room[main] = room[main] * (1 - main_reserve) - main_bytes
     if room[main] < 0:
@@ -99,7 +118,9 @@ def deepseek_device_map(model: nn.Module, max_memory: dict | None = None, main_r
     return device_map
 
 
-def _key_bytes(model: nn.Module, modules: dict[str, nn.Module], key: str) -> int:
+def key_bytes(model: nn.Module, modules: dict[str, nn.Module], key: str) -> int:
+    """Bytes a device-map key places: a whole module, or one direct parameter or buffer (`modules`: the model's
+    named_modules(), passed in so that a caller summing many keys builds it once)."""
     if key in modules:
         return module_bytes(modules[key])
     owner, _, name = key.rpartition(".")

@@ -11,41 +11,15 @@ from __future__ import annotations
 import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..layers.engram import PendingRows
-from .checkpoint_layout import (SAFETENSORS_DTYPES, checkpoint_files, read_safetensors_header, read_weight_map,
-                                safetensors_header)
+from .checkpoint_layout import checkpoint_files, read_weight_map
+from .safetensors_file import SafetensorsEntry, read_safetensors_header, safetensors_entries
 
 HOST_COPY_CHUNK = 1 << 26  # bytes copied per step from the file into host memory (bounds the transient pages)
-
-
-@dataclass(frozen=True)
-class SafetensorsEntry:
-    """Where one tensor's bytes sit inside a safetensors file."""
-
-    path: Path
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    offset: int  # absolute byte offset in the file
-    nbytes: int
-
-
-def safetensors_entry(path: str | os.PathLike, name: str) -> SafetensorsEntry:
-    """Locate tensor `name` in a safetensors file from its header alone (nothing else is read)."""
-    path = Path(path)
-    header_len, header = safetensors_header(path)
-    if name not in header:
-        raise KeyError(f"{path.name} holds no tensor named {name!r}.")
-    info = header[name]
-    if info["dtype"] not in SAFETENSORS_DTYPES:
-        raise ValueError(f"{name} in {path.name} has dtype {info['dtype']}, which cannot be memory-mapped here.")
-    start, end = info["data_offsets"]
-    return SafetensorsEntry(path, SAFETENSORS_DTYPES[info["dtype"]], tuple(info["shape"]), 8 + header_len + start,
-                            end - start)
 
 
 def mapped_tensor(entry: SafetensorsEntry) -> torch.Tensor:
@@ -108,7 +82,7 @@ class ExternalTable:
         tensors = []
         for suffix in ("weight", "scale") if quantized else ("weight",):
             name = f"{prefix}.{suffix}"
-            entry = safetensors_entry(checkpoint_file_for(folder, name), name)
+            entry = safetensors_entries(checkpoint_file_for(folder, name), [name])[name]
             tensors.append(mapped_tensor(entry) if storage == "mmap" else host_tensor(entry, pin))
         return cls(tensors[0], tensors[1] if quantized else None, storage)
 

@@ -1,7 +1,7 @@
-"""What `from_pretrained` does beyond transformers' loader, as functions on the model being loaded: the
-CSA2-aware device map, the checkpoint check from the tensors the built model holds, Engram tables attached from
-host memory or the checkpoint file, tensor-parallel parameters made per-rank, the Engram token map built from the
-folder's tokenizer, and the optional dequantization to bf16."""
+"""What the model's transformers hooks and its tools need around a checkpoint: the hub's tensor names and their
+mapping, the tensors a built model reads (the checkpoint check before any weight is read, the keys it reads
+elsewhere), what save_pretrained refuses, the Engram token map from a tokenizer, and the dequantization to bf16.
+The ordered steps of `from_pretrained` are in `pipeline.py`."""
 
 from __future__ import annotations
 
@@ -13,16 +13,11 @@ import torch
 from torch import nn
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 from transformers.core_model_loading import WeightRenaming
-from transformers.utils import logging
 
 from ..layers.engram import DeepseekV41ExternalEngramTable
 from ..layers.engram_hashing import build_compressed_token_map
-from .checkpoint_layout import check_checkpoint_folder, checkpoint_has_prefix, saved_with_module_names
-from .device_map import check_device_map, deepseek_device_map, preload_submodules, return_to_input_device, spread_units
-from .engram_storage import ExternalTable
+from .checkpoint_layout import check_checkpoint_folder, saved_with_module_names
 from .tensor_parallel import RemoteExpert
-
-logger = logging.get_logger(__name__)
 
 # The hub checkpoint's flat names (`embed.weight`, `layers.N...`, `head.weight`, `mtp.N...`) are kept on disk; in
 # DeepseekV41ForCausalLM the base model's tensors live under `model.` and the head is `lm_head`.
@@ -58,45 +53,7 @@ def accept_hub_names(module: nn.Module, state_dict: dict, prefix: str, *args) ->
             state_dict[renamed] = state_dict.pop(key)
 
 
-HUB_KWARGS = ("revision", "cache_dir", "token", "local_files_only", "subfolder")
-_AUTO_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 _EXPERT_KEY = re.compile(r"^(.*\.experts\.\d+)\.")
-
-
-def hub_kwargs_of(kwargs: dict) -> dict:
-    """The download arguments of a from_pretrained call (for the tokenizer and the Engram table files)."""
-    return {k: kwargs[k] for k in HUB_KWARGS if k in kwargs}
-
-
-def local_folder(path, hub_kwargs: dict) -> str:
-    """The local folder of a checkpoint (downloaded by transformers already when it came from the hub)."""
-    if os.path.isdir(path):
-        return os.path.join(path, hub_kwargs.get("subfolder") or "")
-    from transformers.utils import cached_file
-
-    for name in ("model.safetensors.index.json", "model.safetensors"):
-        found = cached_file(path, name, _raise_exceptions_for_missing_entries=False, **hub_kwargs)
-        if found is not None:
-            return os.path.dirname(found)
-    raise FileNotFoundError(f"No safetensors checkpoint found for {path}.")
-
-
-def multi_device_map(device_map) -> str:
-    """How a device_map argument places the model: "auto" (ours, on CUDA), "explicit" over several devices, or ""."""
-    if isinstance(device_map, str) and device_map in _AUTO_MAPS and torch.cuda.device_count() > 0:
-        return "auto"
-    if isinstance(device_map, dict) and len({d for d in device_map.values() if d not in ("cpu", "disk")}) > 1:
-        return "explicit"
-    return ""
-
-
-def place_skeleton(skeleton: nn.Module, device_map, max_memory: dict | None):
-    """The device map to load with, from a meta-device skeleton: the CSA2-aware map for "auto", or the given map
-    after checking that it keeps each layer's attention side on one device."""
-    if multi_device_map(device_map) == "auto":
-        return deepseek_device_map(skeleton, max_memory)
-    check_device_map(skeleton, device_map)
-    return device_map
 
 
 def held_tensors(model: nn.Module, rename=hub_name) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -138,27 +95,6 @@ def _saved_base_model(folder) -> bool:
         return json.load(handle).get("architectures") == ["DeepseekV41Model"]
 
 
-def attach_engram_tables(model: nn.Module, pretrained_model_name_or_path, hub_kwargs: dict) -> None:
-    """Open every host/mmap Engram table of `model` from the checkpoint (no-op for device tables)."""
-    tables = [(name, m) for name, m in model.named_modules() if isinstance(m, DeepseekV41ExternalEngramTable)]
-    if not tables:
-        return
-    folder = local_folder(pretrained_model_name_or_path, hub_kwargs)
-    module_names = saved_with_module_names(folder)
-    for name, table in tables:
-        full = name if model.base_model is not model else f"{model.base_model_prefix}.{name}"
-        stored = full if module_names else hub_name(full)
-        table.attach(ExternalTable.from_checkpoint(folder, stored, table.quantized, table.storage))
-
-
-def spread_over_devices(model: nn.Module) -> None:
-    """After a multi-device load: the layers' outputs return to the input's device and offloaded units preload."""
-    placed = set(getattr(model, "hf_device_map", {}).values())
-    if len(placed) > 1 or "disk" in placed:
-        return_to_input_device(model, spread_units(model))
-        preload_submodules(model)
-
-
 def read_elsewhere(model: nn.Module, keys: set[str]) -> set[str]:
     """The checkpoint keys this model reads elsewhere (not "unexpected"): the experts another tensor-parallel rank
     holds, and Engram tables kept in host memory or mapped from the file."""
@@ -198,25 +134,6 @@ def load_tokenizer_for_token_map(pretrained_model_name_or_path: str | os.PathLik
             f"({error}). Put tokenizer.json and tokenizer_config.json next to the weights, or load the tokenizer "
             "yourself and call model.build_engram_token_map(tokenizer)."
         ) from error
-
-
-def token_map_not_loaded(model: nn.Module, pretrained_model_name_or_path, state_dict: dict | None,
-                         hub_kwargs: dict) -> bool:
-    """Whether `model` has Engram layers and the checkpoint it was loaded from holds no Engram token map (the hub
-    layout, as released), so that the map must be built from the checkpoint's tokenizer. Weights given as a
-    state_dict without a map keep the default one, with a warning."""
-    if not hasattr(model.base_model, "engram_token_map"):
-        return False
-    if pretrained_model_name_or_path is None:
-        if state_dict is not None and not any(key.endswith("engram_token_map") for key in state_dict):
-            logger.warning(
-                "The given state_dict has no engram_token_map: the model keeps the default Engram token map (token "
-                "id modulo engram_compressed_vocab_size). Weights trained with a tokenizer need its map: call "
-                "model.build_engram_token_map(tokenizer)."
-            )
-        return False
-    folder = local_folder(pretrained_model_name_or_path, hub_kwargs)
-    return not checkpoint_has_prefix(folder, ("engram_token_map", "model.engram_token_map"))
 
 
 def compressed_token_map(tokenizer, vocab_size: int, expected_size: int) -> torch.Tensor:

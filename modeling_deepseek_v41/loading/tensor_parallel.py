@@ -16,7 +16,11 @@ The plan (`DeepseekV41Config.base_model_tp_plan`) uses DeepSeek-V4.1's own style
   one owner, so the sum only adds exact zeros, and the per-token sum in ascending expert order then runs as in
   one process. The shared expert and the router are replicated.
 - Engram tables held as parameters (`deepseek_v41_table_rows`) and the LM head (`deepseek_v41_vocab_rows`): rows
-  split across ranks; a lookup sums exact zeros from the non-owners, the head's logits are all-gathered.
+  split across ranks; the style sets the table's hook (`row_range`, `reduce_rows`): a lookup sums exact zeros from
+  the non-owners; the head's logits are all-gathered.
+
+No style replaces a `forward` or rewrites a layer's sizes: the attention reads its head and group counts from the
+shapes it holds, the MoE and the Engram table have hooks for the ranges they hold and the sum across ranks.
 
 Parameters are DTensors while loading, so each rank reads only its shards from the checkpoint; afterwards they
 are turned into plain per-rank tensors (`localize_parameters`) and these styles do the communication themselves.
@@ -24,8 +28,6 @@ Inference only: the collectives here carry no gradients.
 """
 
 from __future__ import annotations
-
-import types
 
 import torch
 import torch.distributed as dist
@@ -100,8 +102,9 @@ class ShardRows(TensorParallelLayer):
 
 
 class LocalHeads(TensorParallelLayer):
-    """An attention layer that runs `n_heads / tp` query heads and `o_groups / tp` output groups (and the
-    attention sinks of its heads)."""
+    """An attention layer that runs `n_heads / tp` query heads and `o_groups / tp` output groups: it holds the
+    attention sinks of its heads (sharded here) and its rows of wq_b and wo_a (ShardRows), and reads its head and
+    group counts from those shapes, so nothing is rewritten."""
 
     def shard_param(self, module, param, mesh):
         if param == "attn_sink":
@@ -112,8 +115,6 @@ class LocalHeads(TensorParallelLayer):
         if module.n_heads % size or module.n_groups % size:
             raise ValueError(f"Tensor parallelism over {size} ranks needs num_attention_heads ({module.n_heads}) and "
                              f"o_groups ({module.n_groups}) divisible by {size}.")
-        module.n_heads //= size
-        module.n_groups //= size
         return module
 
 
@@ -150,8 +151,9 @@ class VocabRows(TensorParallelLayer):
 
 
 class TableRows(TensorParallelLayer):
-    """An Engram table (held as parameters) with its rows split across ranks: each rank looks up the rows it
-    holds, zeros elsewhere, and the ranks' results are summed (exactly: one owner per row)."""
+    """An Engram table (held as parameters) with its rows split across ranks. The style sets the table's hook
+    (`row_range`, `reduce_rows`): each rank looks up the rows it holds, zeros elsewhere, and the ranks' results
+    are summed (exactly: one owner per row)."""
 
     def shard_param(self, module, param, mesh):
         _shard_rows(module, param, mesh)
@@ -159,19 +161,9 @@ class TableRows(TensorParallelLayer):
     def install_forward(self, module, mesh):
         if module._parameters.get("weight") is None:  # host/mmap storage: every rank reads the shared file
             return module
-        from ..layers.engram import looked_up_rows
-
         group = _group(mesh)
-        start, end = _row_range(module.weight.shape[0], mesh)
-
-        def forward(self, row_ids: torch.Tensor) -> torch.Tensor:
-            local = row_ids - start
-            owned = (local >= 0) & (local < end - start)
-            local = torch.where(owned, local, 0)
-            rows = looked_up_rows(self.weight[local], self.scale[local] if self.quantized else None)
-            return exact_sum_(torch.where(owned.unsqueeze(-1), rows, torch.zeros_like(rows)), group)
-
-        module.forward = types.MethodType(forward, module)
+        module.row_range = _row_range(module.weight.shape[0], mesh)
+        module.reduce_rows = lambda rows: exact_sum_(rows, group)
         return module
 
 

@@ -1,14 +1,11 @@
 """The finiteness check of loaded weights and scales: a NaN or Inf in a floating weight, an FP8 e4m3 NaN code or
 an E8M0 scale byte 0xFF (NaN) is reported by tensor name right after loading, instead of turning every logit into
-NaN later. On by default; `from_pretrained(..., check_finite=False)` skips it."""
+NaN later. The last step of the loading pipeline; `from_pretrained(..., check_finite=False)` skips it."""
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from .checkpoint_layout import check_checkpoint_path
 from .loader import hub_name
 
 CHECK_CHUNK = 1 << 26  # elements reduced at once: bounds the temporary mask of one large expert tensor
@@ -46,17 +43,3 @@ def check_finite_weights(model) -> None:
                 "pass check_finite=False to from_pretrained to load it anyway."
             )
 
-
-def with_load_checks(from_pretrained):
-    """Wrap a from_pretrained: a local path must be a folder (checked first), and the loaded weights are checked
-    for finiteness unless `check_finite=False`."""
-
-    @functools.wraps(from_pretrained)
-    def wrapped(cls, pretrained_model_name_or_path, *args, check_finite: bool = True, **kwargs):
-        check_checkpoint_path(pretrained_model_name_or_path)
-        loaded = from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs)
-        if check_finite:
-            check_finite_weights(loaded[0] if isinstance(loaded, tuple) else loaded)
-        return loaded
-
-    return wrapped

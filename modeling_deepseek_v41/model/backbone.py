@@ -16,7 +16,6 @@ from ..cache.chunk_store import ChunkStore
 from ..config.config_validation import check_field
 from ..config.configuration_deepseek_v41 import DeepseekV41Config
 from ..config.layer_plan import LayerPlan
-from ..kernels.linear import DeepseekV41RMSNorm
 from ..kernels.numerics import weight_dtype
 from ..layers.attention import ForwardShare
 from ..layers.block import DeepseekV41BackboneBlock
@@ -24,6 +23,7 @@ from ..layers.dspark import DeepseekV41DSparkBlock
 from ..layers.engram import prefetch_engram_rows
 from ..layers.engram_hashing import DEAD, EngramHashLayout, default_token_map, engram_hash_ids, ngram_window
 from ..layers.hyper_connections import hc_collapse, initial_streams
+from ..layers.linear import DeepseekV41RMSNorm
 from ..layers.rotary import DeepseekV41Rotary
 from ..layers.vision import DeepseekV41VisionAligner, DeepseekV41VisionTower, embed_images, merge_image_embeddings
 from ..loading.loader import compressed_token_map

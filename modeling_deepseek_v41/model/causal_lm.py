@@ -12,7 +12,7 @@ from transformers.utils.generic import can_return_tuple
 
 from ..cache.cache import DeepseekV41Cache
 from ..config.configuration_deepseek_v41 import DeepseekV41Config
-from ..kernels.linear import DeepseekV41Linear
+from ..layers.linear import DeepseekV41Linear
 from ..loading.loader import accept_hub_names
 from .backbone import DeepseekV41Model
 from .generation import DeepseekV41GenerationMixin

@@ -1,30 +1,24 @@
-"""The transformers integration shared by the DeepSeek-V4.1 models: weight initialisation, and the one
-`from_pretrained` path (validate, place, load, post-process; the model is built once, by transformers)."""
+"""The transformers integration shared by the DeepSeek-V4.1 models: weight initialisation, `from_pretrained` (the
+ordered steps of `loading/pipeline.py`; the model is built once, by transformers) and the two hooks transformers'
+loader calls back, saving, resizing and dequantizing."""
 
 from __future__ import annotations
-
-import os
 
 import torch
 from torch import nn
 from transformers import PreTrainedModel
 from transformers import initialization as init
-from transformers.utils import logging
 
-from ..config.configuration_deepseek_v41 import DeepseekV41Config, config_without_dspark
-from ..kernels.linear import STORAGE_FP4, STORAGE_FP8, DeepseekV41RMSNorm, DeepseekV41Weight
+from ..config.configuration_deepseek_v41 import DeepseekV41Config
+from ..kernels.linear import STORAGE_FP4, STORAGE_FP8
 from ..kernels.numerics import quantize_fp4_weight, quantize_fp8_weight
 from ..layers.block import DeepseekV41Block
 from ..layers.engram import DeepseekV41Engram, DeepseekV41EngramTable
 from ..layers.engram_hashing import default_token_map
+from ..layers.linear import DeepseekV41RMSNorm, DeepseekV41Weight
 from ..loading import loader
-from ..loading.checkpoint_layout import holds_drafter
 from ..loading.parameter_count import logical_num_parameters
-from ..loading.tensor_parallel import localize_parameters, register_parallel_styles, tensor_parallel_requested
-from ..loading.weight_checks import with_load_checks
-from .load_options import apply_weight_mode
-
-logger = logging.get_logger(__name__)
+from ..loading.pipeline import LoadRequest, load_pretrained
 
 
 class DeepseekV41PreTrainedModel(PreTrainedModel):
@@ -85,42 +79,16 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
 
     # -- loading ---------------------------------------------------------------------------------------------
     @classmethod
-    @with_load_checks
-    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, check_finite: bool = True, **kwargs):
         """transformers' loader, plus what the hub checkpoint needs: a checkpoint without the DSpark drafter loads
         without it, the checkpoint is checked against the built model before any weight is read, the CSA2-aware
         `device_map="auto"`, tensor parallelism (`tp_plan`, or `distributed_config` with a tp_plan), Engram tables
         kept in host memory or mapped, the Engram token map built from the folder's tokenizer when the weights do
-        not carry it (the released checkpoint), and `weight_mode="bf16"` dequantization after loading."""
-        hub_kwargs = loader.hub_kwargs_of(kwargs)
-        local = (pretrained_model_name_or_path is not None and os.path.isdir(pretrained_model_name_or_path)
-                 and not kwargs.get("ignore_mismatched_sizes"))
-        if local and not holds_drafter(pretrained_model_name_or_path):
-            config = kwargs.get("config")
-            if not isinstance(config, DeepseekV41Config):
-                config = cls.config_class.from_pretrained(pretrained_model_name_or_path, **hub_kwargs)
-            if config.text_config.num_nextn_predict_layers:
-                # a checkpoint shipped without the drafter loads without it, rather than with random draft weights
-                logger.warning("The checkpoint has no DSpark drafter weights (mtp.*): loading without the drafter.")
-                kwargs["config"] = config_without_dspark(config)
-        if loader.multi_device_map(kwargs.get("device_map")):
-            # the device map is computed from the module sizes: a skeleton on the meta device, before loading
-            skeleton = cls._skeleton(pretrained_model_name_or_path, kwargs)
-            kwargs["device_map"] = loader.place_skeleton(skeleton, kwargs["device_map"], kwargs.get("max_memory"))
-        tensor_parallel = tensor_parallel_requested(kwargs)
-        if tensor_parallel:
-            register_parallel_styles()
-        loaded = super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
-        model = loaded[0] if isinstance(loaded, tuple) else loaded
-        if tensor_parallel:
-            localize_parameters(model)
-        loader.attach_engram_tables(model, pretrained_model_name_or_path, hub_kwargs)
-        loader.spread_over_devices(model)
-        if loader.token_map_not_loaded(model, pretrained_model_name_or_path, kwargs.get("state_dict"), hub_kwargs):
-            model.base_model.build_engram_token_map(loader.load_tokenizer_for_token_map(pretrained_model_name_or_path,
-                                                                                        **hub_kwargs))
-        apply_weight_mode(model, kwargs)
-        return loaded
+        not carry it (the released checkpoint), `weight_mode="bf16"` dequantization after loading, and the loaded
+        weights checked for NaN/Inf unless `check_finite=False`. The steps, in order: `loading/pipeline.py`."""
+        request = LoadRequest(cls, pretrained_model_name_or_path, model_args, kwargs, super().from_pretrained,
+                              check_finite)
+        return load_pretrained(request)
 
     def resize_token_embeddings(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
                                 mean_resizing: bool = True) -> nn.Embedding:
@@ -141,16 +109,6 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
                                       start=min(token_map.numel(), vocab)).to(token_map.device)
             base.register_buffer("engram_token_map", torch.cat([token_map[:vocab], added]))
         return embeddings
-
-    @classmethod
-    def _skeleton(cls, path, kwargs: dict) -> nn.Module:
-        """The model on the meta device, from the checkpoint's config and the call's config overrides."""
-        config = kwargs.get("config")
-        if config is None:
-            config, _ = cls.config_class.from_pretrained(path, return_unused_kwargs=True, **{
-                k: v for k, v in kwargs.items() if k not in ("device_map", "max_memory", "offload_folder")})
-        with torch.device("meta"):
-            return cls(config)
 
     @staticmethod
     def _load_pretrained_model(model, state_dict, checkpoint_files, load_config, *args, **kwargs):

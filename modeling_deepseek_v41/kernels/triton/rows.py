@@ -1,5 +1,5 @@
 """Per-row kernels of a decode step: RMSNorm, the window entry (RMSNorm, RoPE, FP8 QDQ) and its store into a
-window ring, each one launch with the exact ops' numerics (`kernels.linear.DeepseekV41RMSNorm`,
+window ring, each one launch with the exact ops' numerics (`kernels.linear.rms_norm`,
 `kernels.sparse_attention.window_kv`, `cache.packed_rows.PackedRows` for FP8 rows)."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def _acc(dtype: torch.dtype):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """DeepseekV41RMSNorm's forward: x [..., D] -> x's dtype."""
+    """kernels.linear.rms_norm on the GPU: x [..., D] -> x's dtype."""
     d = x.shape[-1]
     rows = x.reshape(-1, d)
     if rows.stride(-1) != 1:

@@ -2,7 +2,7 @@
 the cache per sequence at a given context (the cache's own storage rules), and what each GPU holds under tensor
 parallelism and under the CSA2-aware device map.
 
-    python -m modeling_deepseek_v41.model.memory_plan [config.json]     # the released configuration by default
+    python -m modeling_deepseek_v41.tools.memory_plan [config.json]     # the released configuration by default
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import torch
 
 from ..cache.packed_rows import PackedRows
 from ..config.configuration_deepseek_v41 import DeepseekV41Config
-from ..loading.device_map import _key_bytes, deepseek_device_map
+from ..loading.device_map import deepseek_device_map, key_bytes
 from ..loading.parameter_count import component_of, count_parameters
-from .causal_lm import DeepseekV41ForCausalLM
+from ..model.causal_lm import DeepseekV41ForCausalLM
 
 GB = 10**9
 GIB = 2**30
@@ -98,7 +98,7 @@ def _fit_lines(plan: dict) -> list[str]:
             modules = dict(skeleton.named_modules())
             per_device: dict = {}
             for key, device in device_map.items():
-                per_device[device] = per_device.get(device, 0) + _key_bytes(skeleton, modules, key)
+                per_device[device] = per_device.get(device, 0) + key_bytes(skeleton, modules, key)
             offloaded = sum(v for d, v in per_device.items() if d in ("cpu", "disk"))
             main = per_device.get(0, 0)
             room = capacity - main - 0.1 * capacity
