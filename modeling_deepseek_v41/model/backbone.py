@@ -21,8 +21,7 @@ from ..kernels.numerics import weight_dtype
 from ..layers.attention import ForwardShare
 from ..layers.block import DeepseekV41BackboneBlock
 from ..layers.dspark import DeepseekV41DSparkBlock
-from ..layers.engram import prefetch_engram_rows
-from ..layers.engram_hashing import DEAD, EngramHashLayout, default_token_map, engram_hash_ids, ngram_window
+from ..layers.engram_hashing import DEAD, DeepseekV41EngramHasher
 from ..layers.hyper_connections import hc_collapse, initial_streams
 from ..layers.rotary import DeepseekV41Rotary
 from ..layers.vision import DeepseekV41VisionAligner, DeepseekV41VisionTower, embed_images, merge_image_embeddings
@@ -116,11 +115,11 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
             self.aligner = DeepseekV41VisionAligner(config.vision_config, text.hidden_size)
             for name in ("image_start", "image_end", "image_newline"):
                 setattr(self, name, nn.Parameter(torch.empty(text.hidden_size, dtype=weight_dtype(torch.bfloat16))))
+        self.engram_hasher = None  # token ids -> Engram table rows, for the Engram layers of the plan
         if self.plan.engram_layers:
-            self.engram_layout = EngramHashLayout.from_config(text)
+            self.engram_hasher = DeepseekV41EngramHasher(text, self.plan.engram_layers)
             # saved with the weights; from_pretrained builds it from the tokenizer when a checkpoint lacks it
-            self.register_buffer("engram_token_map",
-                                 default_token_map(text.vocab_size, text.engram_compressed_vocab_size))
+            self.register_buffer("engram_token_map", self.engram_hasher.default_token_map())
         self.rotary = DeepseekV41Rotary(text, ((spec.rope_theta, spec.use_yarn)
                                                for spec in self.plan.layers + self.plan.dspark_layers))
         self.post_init()
@@ -258,19 +257,10 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
 
     def engram_rows(self, input_ids: torch.Tensor, dead: torch.Tensor | None, store=None, replayed: int = 0
                     ) -> torch.Tensor:
-        """Global Engram table rows [B,S,n_engram_layers,columns] of every position of `input_ids`; with a cache
-        as the `store`, n-grams reach back into the cached history."""
+        """Global Engram table rows [B,S,n_engram_layers,columns] of every position of `input_ids` (the hasher's,
+        over this model's token map); with a cache as the `store`, n-grams reach back into the cached history."""
         store = ChunkStore() if store is None else store
-        token_map = self.engram_token_map
-        text = self.config.text_config
-        compressed = token_map[input_ids]
-        if dead is not None:
-            compressed = compressed.masked_fill(dead, DEAD)
-        history = store.append_history(compressed, replayed)
-        pad = token_map[text.engram_pad_token_id]
-        shifted = ngram_window(history, pad, text.engram_max_ngram_size, input_ids.shape[1])
-        primes, offsets, multipliers = self.engram_layout.tensors_on(input_ids.device)
-        return engram_hash_ids(shifted, primes, offsets, multipliers)
+        return self.engram_hasher.rows(self.engram_token_map, input_ids, dead, store, replayed)
 
     def prepare_context(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                         token_types: torch.Tensor | None = None, record_selection: bool = False,
@@ -296,10 +286,11 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         if padding is not None:
             dead = padding if dead is None else dead | padding
         rotations = self.rotary.rotations(positions)
-        engram_rows = self.engram_rows(input_ids, dead, store, replayed) if self.plan.engram_layers else None
-        if engram_rows is not None:  # host/mmap tables: start gathering their rows before the first layer
-            prefetch_engram_rows(self, engram_rows)
-        else:
+        engram_rows = None
+        if self.engram_hasher is not None:
+            engram_rows = self.engram_hasher.rows(self.engram_token_map, input_ids, dead, store, replayed)
+            self.engram_hasher.prefetch(self.layers, engram_rows)  # host/mmap tables: gather before the first layer
+        else:  # the cache's history still gets a column per token
             store.append_history(torch.full_like(input_ids, DEAD), replayed)
         return ForwardContext(
             positions=positions, rotations=rotations, engram_rows=engram_rows,
