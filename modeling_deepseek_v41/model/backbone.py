@@ -24,7 +24,8 @@ from ..layers.dspark import DeepseekV41DSparkBlock
 from ..layers.engram_hashing import DEAD, DeepseekV41EngramHasher
 from ..layers.hyper_connections import hc_collapse, initial_streams
 from ..layers.rotary import DeepseekV41Rotary
-from ..layers.vision import DeepseekV41VisionAligner, DeepseekV41VisionTower, embed_images, merge_image_embeddings
+from ..layers.vision import DeepseekV41VisionAligner, DeepseekV41VisionTower
+from ..layers.vision_embedding import embed_image_spans
 from ..loading.loader import compressed_token_map
 from .inputs import cache_in_use, check_forward_inputs
 from .pretrained import DeepseekV41PreTrainedModel
@@ -362,14 +363,11 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
                      pixel_values: torch.Tensor | None = None, image_grids: torch.Tensor | None = None
                      ) -> torch.Tensor:
         """Token embeddings with every image span overwritten: delimiters by the learned vectors, image slots by
-        the ViT + aligner features in reading order."""
+        the ViT + aligner features in reading order (`embed_image_spans`)."""
         hidden = self.embed(input_ids)
         if pixel_values is None or (pixel_values.shape[0] == 0 and not self.config.vision_enabled):
             return hidden  # the processor gives every text its (possibly empty) image inputs
         if not self.config.vision_enabled:
             raise ValueError("pixel_values were given but this checkpoint has no vision tower (vision_config).")
-        if token_types is None or image_grids is None:
-            raise ValueError("Images need the processor's token_types and image_grids next to pixel_values.")
-        image_embeds = embed_images(self.vision, self.aligner, pixel_values, image_grids)
-        return merge_image_embeddings(hidden, token_types, image_embeds, self.image_start, self.image_newline,
-                                      self.image_end)
+        return embed_image_spans(hidden, token_types, pixel_values, image_grids, self.vision, self.aligner,
+                                 (self.image_start, self.image_newline, self.image_end))
