@@ -27,9 +27,10 @@ from ..layers.rotary import DeepseekV41Rotary
 from ..layers.vision import DeepseekV41VisionAligner, DeepseekV41VisionTower
 from ..layers.vision_embedding import embed_image_spans
 from ..loading.loader import compressed_token_map
+from .bounded_replay import run_bounded_replay
+from .forward_context import BackboneRun, ForwardContext
 from .inputs import cache_in_use, check_forward_inputs
 from .pretrained import DeepseekV41PreTrainedModel
-
 
 
 @dataclass
@@ -50,42 +51,6 @@ class DeepseekV41ModelOutput(BaseModelOutputWithPast):
     router_logits: tuple[torch.Tensor, ...] | None = None
     router_experts: tuple[torch.Tensor, ...] | None = None
     dspark_hidden: torch.Tensor | None = None
-
-
-@dataclass
-class ForwardContext:
-    """Everything the layers of one forward share, computed once before the first layer."""
-
-    positions: torch.Tensor  # [B,S], -1 for padding
-    rotations: dict[tuple[float, bool], tuple[torch.Tensor, torch.Tensor]]  # (theta, yarn) -> (angles, inv_freq)
-    engram_rows: torch.Tensor | None  # [B,S,n_engram_layers,columns]
-    engram_live: torch.Tensor | None  # [B,S] False at image-span and padding positions
-    image_mask: torch.Tensor | None  # [B,S] True inside image spans
-    share: ForwardShare
-
-    def tail(self, count: int) -> "ForwardContext":
-        """The same forward restricted to its last `count` tokens (sharing the CSA2 share)."""
-        return ForwardContext(
-            positions=self.positions[:, -count:],
-            rotations={k: (angles[:, -count:], inv) for k, (angles, inv) in self.rotations.items()},
-            engram_rows=None if self.engram_rows is None else self.engram_rows[:, -count:],
-            engram_live=None if self.engram_live is None else self.engram_live[:, -count:],
-            image_mask=None if self.image_mask is None else self.image_mask[:, -count:],
-            share=self.share,
-        )
-
-
-@dataclass
-class BackboneRun:
-    """What one pass over the backbone layers produced."""
-
-    streams: torch.Tensor  # [B,S,hc,D] output of the last block
-    pre_mix: torch.Tensor  # [B,S,hc] collapse weights for the final norm
-    all_streams: tuple[torch.Tensor, ...] | None  # embedding streams, then every block's output
-    router_logits: list[torch.Tensor]
-    experts: list[torch.Tensor]
-    taps: list[torch.Tensor]  # DSpark taps in dspark_target_layer_ids order
-    positions: torch.Tensor  # [B, T] positions of the tokens the last layers ran on (the taps' positions)
 
 
 class DeepseekV41Model(DeepseekV41PreTrainedModel):
@@ -313,8 +278,8 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         rows = context.engram_rows[:, :, layer.spec.engram_slot]
         return layer.engram(streams, rows, context.engram_live)
 
-    def _run_layers(self, layers: range, streams: torch.Tensor, pre_mix: torch.Tensor, context: ForwardContext,
-                    run: BackboneRun, engram_done: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def run_layers(self, layers: range, streams: torch.Tensor, pre_mix: torch.Tensor, context: ForwardContext,
+                   run: BackboneRun, engram_done: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Engram, DSpark tap and block of each layer in `layers`, recording into `run`."""
         for index in layers:
             if index != engram_done:
@@ -334,30 +299,13 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         streams, pre_mix = initial_streams(hidden, self.config.text_config.hc_mult)
         run = BackboneRun(streams, pre_mix, (streams,) if output_hidden_states else None, [], [], [],
                           context.positions)
-        run.streams, run.pre_mix = self._run_layers(range(len(self.layers)), streams, pre_mix, context, run)
+        run.streams, run.pre_mix = self.run_layers(range(len(self.layers)), streams, pre_mix, context, run)
         return run
 
     def run_backbone_bounded(self, hidden: torch.Tensor, context: ForwardContext, replay: int) -> BackboneRun:
-        """CED prefill with bounded replay: every token runs the encoder layers and the first decoder layer's
-        compressor (the decoder's pool depends on nothing else); only the last `replay` tokens run the decoder
-        layers, whose windows see only the replayed segment."""
-        decoder = self.plan.decoder_start
-        streams, pre_mix = initial_streams(hidden, self.config.text_config.hc_mult)
-        run = BackboneRun(streams, pre_mix, None, [], [], [], context.positions)
-        streams, pre_mix = self._run_layers(range(decoder), streams, pre_mix, context, run)
-        layer = self.layers[decoder]
-        streams = self.apply_engram(decoder, streams, context)
-        _, inv_freq = context.rotations[(layer.spec.rope_theta, layer.spec.use_yarn)]
-        layer.compress_only(streams, pre_mix, context.positions, inv_freq, context.share)
-        tail = context.tail(replay)
-        tail.share.pool_ready.add(decoder)
-        tail.share.window_floor = torch.where(tail.positions >= 0, tail.positions,
-                                              torch.iinfo(tail.positions.dtype).max).amin(dim=1)
-        run.taps = [tap[:, -replay:] for tap in run.taps]
-        run.streams, run.pre_mix = self._run_layers(range(decoder, len(self.layers)), streams[:, -replay:],
-                                                    pre_mix[:, -replay:], tail, run, engram_done=decoder)
-        run.positions = tail.positions
-        return run
+        """CED prefill with bounded replay (`bounded_replay.py`): every token through the encoder layers and the
+        first decoder layer's compress step, only the last `replay` tokens through the decoder layers."""
+        return run_bounded_replay(self, hidden, context, replay)
 
     def embed_tokens(self, input_ids: torch.Tensor, token_types: torch.Tensor | None = None,
                      pixel_values: torch.Tensor | None = None, image_grids: torch.Tensor | None = None
