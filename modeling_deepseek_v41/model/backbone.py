@@ -1,9 +1,12 @@
-"""`DeepseekV41Model`, the base model: embeddings (with image spans), Engram hashing, every block, the final norm and
-the DSpark drafter's blocks; what the layers of one forward share (ForwardContext), and the runner that takes the
-embeddings through Engram, the DSpark taps and every block (whole, or with CED's bounded replay)."""
+"""`DeepseekV41Model`, the base model: its modules (embeddings, every block, the final norm, the DSpark drafter, the
+vision tower, the Engram token map), the forward that prepares what the layers share (`forward_context.py`) and the
+layer loop that takes the embeddings through Engram, the DSpark taps and every block, whole or with CED's bounded
+replay (`bounded_replay.py`). Hashing the Engram rows, embedding images and drafting are their units' own
+(`layers/engram_hashing.py`, `layers/vision_embedding.py`, `layers/dspark.py`)."""
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +23,7 @@ from ..kernels.linear import DeepseekV41RMSNorm
 from ..kernels.numerics import weight_dtype
 from ..layers.attention import ForwardShare
 from ..layers.block import DeepseekV41BackboneBlock
-from ..layers.dspark import DeepseekV41DSparkBlock
+from ..layers.dspark import DeepseekV41DSpark
 from ..layers.engram_hashing import DEAD, DeepseekV41EngramHasher
 from ..layers.hyper_connections import hc_collapse, initial_streams
 from ..layers.rotary import DeepseekV41Rotary
@@ -54,10 +57,11 @@ class DeepseekV41ModelOutput(BaseModelOutputWithPast):
 
 
 class DeepseekV41Model(DeepseekV41PreTrainedModel):
-    """The DeepSeek-V4.1 backbone without the output head: `embed`, `layers`, `norm`, the DSpark drafter's blocks
-    (`mtp`, run by `DeepseekV41ForCausalLM` with its head), the vision tower (`vision`, `aligner`, `image_*`) and the
-    Engram token map. Module names are the hub checkpoint's, so `AutoModel` loads the released files as shipped; the
-    CSA2 schedule comes from one `LayerPlan` computed at construction."""
+    """The DeepSeek-V4.1 backbone without the output head: `embed`, `layers`, `norm`, the DSpark drafter (`mtp`, a
+    `DeepseekV41DSpark` whose rings this forward feeds and which `DeepseekV41ForCausalLM` runs with its head), the
+    vision tower (`vision`, `aligner`, `image_*`) and the Engram token map (read by the `engram_hasher`). Module
+    names are the hub checkpoint's, so `AutoModel` loads the released files as shipped; the CSA2 schedule comes from
+    one `LayerPlan` computed at construction."""
 
     def __init__(self, config: DeepseekV41Config) -> None:
         super().__init__(config)
@@ -71,11 +75,11 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
             DeepseekV41BackboneBlock(text, spec, quantized, has_vision_bias=vision) for spec in self.plan.layers
         )
         self.norm = DeepseekV41RMSNorm(text.hidden_size, text.rms_norm_eps)
-        drafting = text.dspark_block_size > 0
-        self.mtp = nn.ModuleList(
-            DeepseekV41DSparkBlock(text, spec, stage, quantized, vision)
-            for stage, spec in enumerate(self.plan.dspark_layers if drafting else ())
-        )
+        self.rotary = DeepseekV41Rotary(text, ((spec.rope_theta, spec.use_yarn)
+                                               for spec in self.plan.layers + self.plan.dspark_layers))
+        drafting = text.dspark_block_size > 0  # the module keeps the checkpoint's names: mtp.{stage}
+        self.mtp = DeepseekV41DSpark(text, self.plan.dspark_layers if drafting else (), quantized, vision,
+                                     self.rotary)
         if vision:
             self.vision = DeepseekV41VisionTower(config.vision_config)
             self.aligner = DeepseekV41VisionAligner(config.vision_config, text.hidden_size)
@@ -86,8 +90,6 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
             self.engram_hasher = DeepseekV41EngramHasher(text, self.plan.engram_layers)
             # saved with the weights; from_pretrained builds it from the tokenizer when a checkpoint lacks it
             self.register_buffer("engram_token_map", self.engram_hasher.default_token_map())
-        self.rotary = DeepseekV41Rotary(text, ((spec.rope_theta, spec.use_yarn)
-                                               for spec in self.plan.layers + self.plan.dspark_layers))
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Module:
@@ -162,9 +164,7 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         streams, pre_mix = run.streams, run.pre_mix
         tapped = torch.cat(run.taps, dim=-1) if run.taps else None
         if store.dspark and tapped is not None:
-            spec = self.mtp[0].spec
-            rotation = context.rotations[(spec.rope_theta, spec.use_yarn)][0][:, -tapped.shape[1]:]
-            self.feed_drafter_rings(tapped, run.positions, rotation, store)
+            self.mtp.feed_rings(tapped, run.positions, context.rotations, store)
         store.commit(input_ids, context.positions, replayed)
         all_streams = run.all_streams
         if replayed:  # the replayed tokens only rebuilt windows: report the caller's tokens
@@ -202,17 +202,18 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         return torch.zeros(inputs_embeds.shape[:2], dtype=torch.long, device=inputs_embeds.device), False
 
     def project_taps(self, taps: torch.Tensor) -> torch.Tensor:
-        """The backbone taps [..., n_taps*D] projected into the drafter's width (stage 0's `main_proj`,
-        `main_norm`): what every stage's window KV is computed from."""
-        first = self.mtp[0]
-        return first.main_norm(first.main_proj(taps))
+        """Deprecated (removed in the next release): the drafter's `model.mtp.project_taps(taps)`."""
+        warnings.warn("DeepseekV41Model.project_taps is deprecated and will be removed in the next release: use the "
+                      "DSpark drafter's model.mtp.project_taps(taps).", FutureWarning, stacklevel=2)
+        return self.mtp.project_taps(taps)
 
     def feed_drafter_rings(self, taps: torch.Tensor, positions: torch.Tensor, rotation: torch.Tensor, cache
                            ) -> None:
-        """Write every processed position's drafter window KV (from the projected taps) into each stage's ring."""
-        main_x = self.project_taps(taps)
-        for block in self.mtp:
-            cache.write_window(block.spec.layer_id, block.attn.window_kv(main_x, rotation), positions)
+        """Deprecated (removed in the next release): the drafter's `model.mtp.feed_rings(...)`."""
+        warnings.warn("DeepseekV41Model.feed_drafter_rings is deprecated and will be removed in the next release: use "
+                      "the DSpark drafter's model.mtp.feed_rings(taps, positions, rotations, store).", FutureWarning,
+                      stacklevel=2)
+        self.mtp.feed_rings(taps, positions, {self.mtp.rope_variant: (rotation, None)}, cache)
 
     def build_engram_token_map(self, tokenizer) -> None:
         """Build the Engram compressed token map from `tokenizer` (it is saved with the model afterwards)."""
