@@ -7,16 +7,13 @@ replay (`bounded_replay.py`). Hashing the Engram rows, embedding images and draf
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.utils.generic import can_return_tuple
 
 from ..cache.cache import DeepseekV41Cache
 from ..cache.chunk_store import ChunkStore
-from ..config.config_validation import check_field
 from ..config.configuration_deepseek_v41 import DeepseekV41Config
 from ..config.layer_plan import LayerPlan
 from ..kernels.linear import DeepseekV41RMSNorm
@@ -25,35 +22,15 @@ from ..layers.attention import ForwardShare
 from ..layers.block import DeepseekV41BackboneBlock
 from ..layers.dspark import DeepseekV41DSpark
 from ..layers.engram_hashing import DEAD, DeepseekV41EngramHasher
-from ..layers.hyper_connections import hc_collapse, initial_streams
+from ..layers.hyper_connections import initial_streams
 from ..layers.rotary import DeepseekV41Rotary
 from ..layers.vision import DeepseekV41VisionAligner, DeepseekV41VisionTower
 from ..layers.vision_embedding import embed_image_spans
 from ..loading.loader import compressed_token_map
 from .bounded_replay import run_bounded_replay
-from .forward_context import BackboneRun, ForwardContext
-from .inputs import cache_in_use, check_forward_inputs
+from .forward_context import BackboneRun, DeepseekV41ModelOutput, ForwardContext
+from .inputs import check_forward_inputs, dead_positions, forward_ids, forward_store, output_flags, token_positions
 from .pretrained import DeepseekV41PreTrainedModel
-
-
-@dataclass
-class DeepseekV41ModelOutput(BaseModelOutputWithPast):
-    """The base model's output.
-
-    last_hidden_state: [B,S,D] the final norm of the hc streams collapsed by the last block's weights (what
-        `lm_head` reads). cache: the `DeepseekV41Cache` (with `use_cache`).
-    hidden_states: with `output_hidden_states`, num_hidden_layers + 1 tensors [B,S,D]: the embeddings, then every
-        block's output, each the mean over the hyper-connection streams (what the DSpark taps read; no final norm).
-    hc_streams: with `output_hidden_states`, the same states unreduced: the streams [B,S,hc_mult,D].
-    router_logits / router_experts: with `output_router_logits`, every layer's router scores and chosen experts.
-    dspark_hidden: the DSpark tap (mean over streams of each target layer's input, concatenated) of the caller's
-        tokens; None without DSpark target layers.
-    """
-
-    hc_streams: tuple[torch.Tensor, ...] | None = None
-    router_logits: tuple[torch.Tensor, ...] | None = None
-    router_experts: tuple[torch.Tensor, ...] | None = None
-    dspark_hidden: torch.Tensor | None = None
 
 
 class DeepseekV41Model(DeepseekV41PreTrainedModel):
@@ -121,34 +98,15 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         >= 0 image span) marks image spans, `prefill_mode` chooses CED's bounded replay for a long prefill.
         `inputs_embeds` replaces the token embeddings; without `input_ids` it needs a config without Engram
         layers and runs without a cache (both read the token ids)."""
-        if output_attentions or (output_attentions is None and self.config.output_attentions):
-            raise ValueError("output_attentions=True is not supported: DeepSeek-V4.1's sparse attention (top-k "
-                             "compressed blocks plus a sliding window) never materialises attention maps.")
+        output_hidden_states, output_router_logits = output_flags(self.config, output_attentions,
+                                                                  output_hidden_states, output_router_logits)
         if input_ids is not None:
             check_forward_inputs(self.config, input_ids, attention_mask, token_types, pixel_values, cache,
                                  past_key_values)
-        input_ids, use_cache = self._ids_for(input_ids, inputs_embeds, cache or past_key_values, use_cache)
-        output_hidden_states = (output_hidden_states if output_hidden_states is not None
-                                else self.config.output_hidden_states)
-        if output_router_logits is None:
-            output_router_logits = self.config.text_config.output_router_logits
-        cache = cache if cache is not None else past_key_values
-        if cache is None and use_cache:
-            cache = DeepseekV41Cache(self.config)
-        if cache is not None:
-            if not isinstance(cache, DeepseekV41Cache):
-                raise TypeError(f"DeepseekV41Model needs a DeepseekV41Cache, got {type(cache).__name__}.")
-            cache.check_compatible(self.config.text_config)
-        store = cache if cache is not None else ChunkStore()  # without a cache, the layers' KV lives one forward
-        past = store.get_seq_length()
-        max_positions = self.config.text_config.max_position_embeddings
-        if past + input_ids.shape[1] > max_positions:
-            raise ValueError(
-                f"Sequence of {past + input_ids.shape[1]} tokens exceeds max_position_embeddings ({max_positions})."
-            )
-        if prefill_mode is not None:  # the config's own value was checked when the config was made
-            check_field(self.config.text_config, "prefill_mode", prefill_mode)
-        mode = prefill_mode or self.config.text_config.prefill_mode
+        input_ids, use_cache = forward_ids(self.config, self.plan, self.training, input_ids, inputs_embeds,
+                                           cache or past_key_values, use_cache)
+        cache, store, mode = forward_store(self.config, cache if cache is not None else past_key_values, use_cache,
+                                           input_ids.shape[1], prefill_mode)
         input_ids, positions, replayed = store.begin_chunk(input_ids, attention_mask, self.embed.weight.dtype)
         if replayed and token_types is not None:
             token_types = torch.cat([torch.full_like(input_ids[:, :replayed], -1), token_types], dim=1)
@@ -160,46 +118,12 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         if mode == "bounded_replay" and cache is not None and replayed == 0 and input_ids.shape[1] > replay:
             run = self.run_backbone_bounded(hidden, context, replay)
         else:
-            run = self.run_backbone(hidden, context, output_hidden_states=bool(output_hidden_states))
-        streams, pre_mix = run.streams, run.pre_mix
+            run = self.run_backbone(hidden, context, output_hidden_states=output_hidden_states)
         tapped = torch.cat(run.taps, dim=-1) if run.taps else None
         if store.dspark and tapped is not None:
             self.mtp.feed_rings(tapped, run.positions, context.rotations, store)
         store.commit(input_ids, context.positions, replayed)
-        all_streams = run.all_streams
-        if replayed:  # the replayed tokens only rebuilt windows: report the caller's tokens
-            streams, pre_mix = streams[:, replayed:], pre_mix[:, replayed:]
-            tapped = None if tapped is None else tapped[:, replayed:]
-            all_streams = None if all_streams is None else tuple(s[:, replayed:] for s in all_streams)
-        return DeepseekV41ModelOutput(
-            last_hidden_state=self.norm(hc_collapse(streams, pre_mix)), cache=cache,
-            hidden_states=None if all_streams is None else (hidden[:, replayed:] if replayed else hidden,) + tuple(
-                s.mean(dim=2) for s in all_streams[1:]),  # the embeddings themselves (the streams are copies)
-            hc_streams=all_streams,
-            router_logits=tuple(run.router_logits) if output_router_logits else None,
-            router_experts=tuple(run.experts) if output_router_logits else None,
-            dspark_hidden=tapped,
-        )
-
-    def _ids_for(self, input_ids, inputs_embeds, cache, use_cache) -> tuple[torch.Tensor, bool]:
-        """The token ids a forward runs on (zeros standing in for them with `inputs_embeds` alone, where nothing
-        reads them) and whether it uses a cache (`use_cache=None` follows the config, and is off for a training forward
-        that records gradients: the cache keeps packed FP4/FP8 bytes that carry none, and a recomputed checkpoint
-        would find them written; never under torch.export: `cache_in_use`)."""
-        if input_ids is not None:
-            default = self.config.text_config.use_cache and not (self.training and torch.is_grad_enabled())
-            return input_ids, cache_in_use(use_cache, default, cache)
-        if inputs_embeds is None:
-            raise ValueError("Pass input_ids (or inputs_embeds, for a config without Engram layers).")
-        if self.plan.engram_layers:
-            raise ValueError(
-                f"inputs_embeds without input_ids is not supported by this config: its Engram layers "
-                f"{list(self.plan.engram_layers)} hash the token ids. Pass input_ids (with inputs_embeds if wanted)."
-            )
-        if cache is not None or use_cache:
-            raise ValueError("A cache records the token ids (for its restore and replay): pass input_ids with "
-                             "inputs_embeds, or use_cache=False.")
-        return torch.zeros(inputs_embeds.shape[:2], dtype=torch.long, device=inputs_embeds.device), False
+        return run.output(self.norm, hidden, tapped, replayed, cache, output_router_logits)
 
     def project_taps(self, taps: torch.Tensor) -> torch.Tensor:
         """Deprecated (removed in the next release): the drafter's `model.mtp.project_taps(taps)`."""
@@ -236,22 +160,9 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         image mask and the per-forward CSA2 share. `store` is the cache (whose `begin_chunk` gave `positions`)
         or, by default, a throw-away ChunkStore."""
         store = ChunkStore() if store is None else store
-        batch, seq = input_ids.shape
-        device = input_ids.device
-        if positions is None:
-            if attention_mask is None:
-                positions = torch.arange(seq, device=device).expand(batch, seq)
-            else:
-                mask = attention_mask[:, -seq:].to(torch.bool)
-                positions = torch.where(mask, mask.long().cumsum(-1) - 1, -1)
-        padding = positions < 0
-        # an all-False mask changes nothing; only eager, growing-cache calls read it back to skip the masking
-        keep = torch.compiler.is_compiling() or store.is_static
-        padding = padding if keep or bool(padding.any()) else None
-        image_mask = token_types >= 0 if token_types is not None else None
-        dead = image_mask
-        if padding is not None:
-            dead = padding if dead is None else dead | padding
+        positions = token_positions(input_ids, attention_mask) if positions is None else positions
+        # an all-False padding mask changes nothing; only eager, growing-cache calls read it back to skip it
+        image_mask, dead = dead_positions(positions, token_types, torch.compiler.is_compiling() or store.is_static)
         rotations = self.rotary.rotations(positions)
         engram_rows = None
         if self.engram_hasher is not None:

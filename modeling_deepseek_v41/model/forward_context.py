@@ -1,13 +1,37 @@
-"""What one forward over the backbone shares and produces: the `ForwardContext` the layers of one forward share
-(computed once before the first layer) and the `BackboneRun` a pass over the layers records."""
+"""What one forward over the backbone shares, records and returns: the `ForwardContext` the layers of one forward
+share (computed once before the first layer), the `BackboneRun` a pass over the layers records, and the base model's
+output made from it (`DeepseekV41ModelOutput`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+from torch import nn
+from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from ..layers.attention import ForwardShare
+from ..layers.hyper_connections import hc_collapse
+
+
+@dataclass
+class DeepseekV41ModelOutput(BaseModelOutputWithPast):
+    """The base model's output.
+
+    last_hidden_state: [B,S,D] the final norm of the hc streams collapsed by the last block's weights (what
+        `lm_head` reads). cache: the `DeepseekV41Cache` (with `use_cache`).
+    hidden_states: with `output_hidden_states`, num_hidden_layers + 1 tensors [B,S,D]: the embeddings, then every
+        block's output, each the mean over the hyper-connection streams (what the DSpark taps read; no final norm).
+    hc_streams: with `output_hidden_states`, the same states unreduced: the streams [B,S,hc_mult,D].
+    router_logits / router_experts: with `output_router_logits`, every layer's router scores and chosen experts.
+    dspark_hidden: the DSpark tap (mean over streams of each target layer's input, concatenated) of the caller's
+        tokens; None without DSpark target layers.
+    """
+
+    hc_streams: tuple[torch.Tensor, ...] | None = None
+    router_logits: tuple[torch.Tensor, ...] | None = None
+    router_experts: tuple[torch.Tensor, ...] | None = None
+    dspark_hidden: torch.Tensor | None = None
 
 
 @dataclass
@@ -44,3 +68,22 @@ class BackboneRun:
     experts: list[torch.Tensor]
     taps: list[torch.Tensor]  # DSpark taps in dspark_target_layer_ids order
     positions: torch.Tensor  # [B, T] positions of the tokens the last layers ran on (the taps' positions)
+
+    def output(self, norm: nn.Module, hidden: torch.Tensor, tapped: torch.Tensor | None, replayed: int, cache,
+               router: bool) -> DeepseekV41ModelOutput:
+        """The base model's output for the caller's tokens (replayed ones only rebuilt windows): the final `norm`
+        of the collapsed streams, with the embeddings `hidden`, the taps and the router's choices when recorded."""
+        streams, pre_mix, all_streams = self.streams, self.pre_mix, self.all_streams
+        if replayed:
+            streams, pre_mix, hidden = streams[:, replayed:], pre_mix[:, replayed:], hidden[:, replayed:]
+            tapped = None if tapped is None else tapped[:, replayed:]
+            all_streams = None if all_streams is None else tuple(s[:, replayed:] for s in all_streams)
+        return DeepseekV41ModelOutput(
+            last_hidden_state=norm(hc_collapse(streams, pre_mix)), cache=cache,
+            hidden_states=None if all_streams is None else (hidden,) + tuple(  # the embeddings (streams copy them)
+                s.mean(dim=2) for s in all_streams[1:]),
+            hc_streams=all_streams,
+            router_logits=tuple(self.router_logits) if router else None,
+            router_experts=tuple(self.experts) if router else None,
+            dspark_hidden=tapped,
+        )
