@@ -151,9 +151,8 @@ def dspark_training_logits(model, input_ids: torch.Tensor, taps: torch.Tensor, a
         window_kv = kv.gather(1, flat_window.unsqueeze(-1).expand(-1, -1, kv.shape[-1]))
         return window_kv.view(batch * n_anchors, width, kv.shape[-1]).to(dtype), window_valid.flatten(0, 1)
 
-    hidden, base = drafter(block_ids.flatten(0, 1), block_rotation, stage_window, model.get_input_embeddings(),
-                           model.get_output_embeddings())
-    base = base.float()
+    hidden = drafter(model.get_input_embeddings()(block_ids.flatten(0, 1)), block_rotation, stage_window)
+    base = drafter.logits(hidden, model.get_output_embeddings()).float()
     bias, embedding = drafter.markov(prev_tokens.flatten(0, 1))
     logits = base + bias.float()
     confidence = drafter.confidence(hidden, embedding)

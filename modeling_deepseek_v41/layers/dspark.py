@@ -97,9 +97,9 @@ class DeepseekV41DSpark(nn.ModuleList):
     checkpoint's `mtp.{i}` names), the projection of the backbone taps into every stage's window KV, the feeding of
     the cache's drafter rings, and the forward over blocks of draft tokens with the last stage's heads.
 
-    It shares the backbone's token embedding and output head, which its forward is handed rather than holding them
-    (the checkpoint stores them once), and the backbone's RoPE frequencies (`rotary`, a plain object). Empty when
-    the model drafts nothing."""
+    It shares the backbone's token embedding and output head, which the callers apply (the forward takes the block's
+    embeddings, `logits` the head) rather than it holding them (the checkpoint stores them once), and the backbone's
+    RoPE frequencies (`rotary`, a plain object). Empty when the model drafts nothing."""
 
     def __init__(self, config, specs: tuple[LayerSpec, ...], quantized: bool, has_vision_bias: bool,
                  rotary) -> None:
@@ -109,7 +109,7 @@ class DeepseekV41DSpark(nn.ModuleList):
         self.rotary = rotary
 
     def __getitem__(self, index):
-        if isinstance(index, slice):  # some of the stages are a list of stages, not a drafter
+        if isinstance(index, slice):  # a plain list: ModuleList would rebuild this class from the stages alone
             return nn.ModuleList(list(self)[index])
         return super().__getitem__(index)
 
@@ -144,21 +144,24 @@ class DeepseekV41DSpark(nn.ModuleList):
         for stage in self:
             store.write_window(stage.spec.layer_id, stage.window_kv(main_x, rotation), positions)
 
-    def forward(self, block_ids: torch.Tensor, rotation: torch.Tensor,
-                stage_window: Callable[[nn.Module, torch.dtype], tuple[torch.Tensor, torch.Tensor]],
-                embed: nn.Module, head: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        """The stages over blocks of tokens, shared by drafting and drafter training.
-
-        block_ids [N,K] at rotation [N,K,rope/2], embedded by the backbone's `embed`; `stage_window(stage,
-        dtype)` gives each stage's window KV [N,L,hd] and validity [N,L]. Returns the last stage's collapsed hidden
-        state [N,K,D] and its logits through the backbone's `head` (no Markov bias: drafting adds it token by
-        token, training teacher-forced)."""
-        streams, pre_mix = initial_streams(embed(block_ids), self.hc_mult)
+    def forward(self, embeddings: torch.Tensor, rotation: torch.Tensor,
+                stage_window: Callable[[nn.Module, torch.dtype], tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """The stages over blocks of tokens, shared by drafting and drafter training: `embeddings` [N,K,D] of the
+        block tokens (the backbone's token embedding) at rotation [N,K,rope/2]; `stage_window(stage, dtype)` gives
+        each stage's window KV [N,L,hd] and validity [N,L]. Returns the last stage's collapsed hidden state [N,K,D].
+        Only tensors and the callable come in: a device map's hook on this module moves every argument with a
+        `.to`, and would move a shared embedding module too."""
+        streams, pre_mix = initial_streams(embeddings, self.hc_mult)
         for stage in self:
             window_kv, window_valid = stage_window(stage, streams.dtype)
             streams, pre_mix, _, _ = stage(streams, pre_mix, None, rotation, window_kv, window_valid)
-        hidden = hc_collapse(streams, pre_mix)
-        return hidden, head(self[-1].norm(hidden))
+        return hc_collapse(streams, pre_mix)
+
+    def logits(self, hidden: torch.Tensor, head: nn.Module) -> torch.Tensor:
+        """The draft logits of the forward's `hidden`: the last stage's final norm, then the backbone's output
+        `head` (shared, not held: the checkpoint stores it once). No Markov bias: drafting adds it token by token,
+        training teacher-forced."""
+        return head(self[-1].norm(hidden))
 
     def markov(self, previous_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The last stage's Markov head: the bigram logit bias of each position from the token before it, and

@@ -36,8 +36,8 @@ def dspark_draft(model, next_ids: torch.Tensor, cache,
     def stage_window(stage, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return cache.drafter_window(stage.spec.layer_id, last, text.sliding_window, dtype)  # the stage's ring
 
-    hidden, logits = drafter(block_ids, drafter.rotation(positions), stage_window, model.get_input_embeddings(),
-                             model.get_output_embeddings())
+    hidden = drafter(model.get_input_embeddings()(block_ids), drafter.rotation(positions), stage_window)
+    logits = drafter.logits(hidden, model.get_output_embeddings())
     choose = choose or (lambda scores, _: scores.argmax(dim=-1))
     ids, embeddings = [next_ids], []
     for i in range(size):
