@@ -3,7 +3,7 @@
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText
 
 from .config.configuration_deepseek_v41 import DeepseekV41Config, DeepseekV41TextConfig, DeepseekV41VisionConfig
-from .config.layer_plan import LayerPlan, LayerSpec
+from .config.layer_plan import CSA2Role, LayerPlan, LayerSpec
 from .loading.checkpoint_layout import check_local_paths_first
 from .loading.loader import register_hub_names
 from .model.backbone import DeepseekV41Model, DeepseekV41ModelOutput
@@ -30,6 +30,7 @@ def _register() -> None:
 _register()
 
 __all__ = [
+    "CSA2Role",
     "DeepseekV41Config",
     "DeepseekV41TextConfig",
     "DeepseekV41VisionConfig",

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from modeling_deepseek_v41 import DeepseekV41Config, DeepseekV41TextConfig, LayerPlan
+from modeling_deepseek_v41 import CSA2Role, DeepseekV41Config, DeepseekV41TextConfig, LayerPlan
 from reference_cases import FIXTURES, model_case_dirs
 
 OFFICIAL = FIXTURES / "spec" / "official_config.json"
@@ -60,6 +60,17 @@ def test_released_layer_plan_roles():
     assert plan.layers[1].rope_theta == 10000 and not plan.layers[1].use_yarn
     assert plan.layers[2].rope_theta == 160000 and plan.layers[2].use_yarn
     assert len(plan.dspark_layers) == 3 and all(s.ratio == 0 for s in plan.dspark_layers)
+
+
+def test_the_csa2_roles_are_named_on_the_layer_spec():
+    plan = LayerPlan.from_config(DeepseekV41TextConfig())
+    layers = plan.layers
+    assert layers[2].role is CSA2Role.FULL and layers[24].role == "reindex"  # the enum equals the plain names
+    assert [i for i, s in enumerate(layers) if s.is_full] == [2, 8, 14, 20]
+    assert [i for i, s in enumerate(layers) if s.is_reindex] == [24, 28, 32, 36]
+    assert all(s.is_reuse for s in layers[21:24]) and not any(s.reads_pool for s in layers[:2] + plan.dspark_layers)
+    assert all(s.reads_pool == (s.ratio > 0) for s in layers)
+    assert all((s.is_full or s.is_reindex) == s.is_index_source and s.is_full == s.owns_pool for s in layers)
 
 
 @pytest.mark.parametrize(

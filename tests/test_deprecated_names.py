@@ -70,3 +70,26 @@ def test_load_lora_warns_and_loads_like_peft(tmp_path):
     assert isinstance(loaded, PeftModel)
     with torch.no_grad():
         assert torch.equal(loaded(_ids()).logits, adapted(_ids()).logits)
+
+
+def test_drafter_methods_of_the_base_model_warn_and_delegate_to_the_drafter():
+    from modeling_deepseek_v41.cache import DeepseekV41Cache
+
+    model, ids = _load(), _ids()
+    drafter, text = model.dspark, model.config.text_config
+    caches = [DeepseekV41Cache(model.config, dspark=True) for _ in range(2)]
+    with torch.no_grad():
+        taps = [model(ids, cache=cache).dspark_hidden for cache in caches][0]
+        with pytest.warns(FutureWarning, match=r"project_taps is deprecated.*model.mtp.project_taps"):
+            assert torch.equal(model.model.project_taps(taps), drafter.project_taps(taps))
+        positions = torch.arange(ids.shape[1]).unsqueeze(0)
+        rotation = drafter.rotation(positions)
+        other = taps.flip(1)  # rewrite the rings with other taps, through the old and the new name
+        with pytest.warns(FutureWarning, match=r"feed_drafter_rings is deprecated.*model.mtp.feed_rings"):
+            model.model.feed_drafter_rings(other, positions, rotation, caches[0])
+        drafter.feed_rings(other, positions, {drafter.rope_variant: (rotation, None)}, caches[1])
+        last = caches[0].lengths - 1
+        windows = [cache.drafter_window(stage.spec.layer_id, last, text.sliding_window, taps.dtype)
+                   for stage in drafter for cache in caches]
+    assert all(torch.equal(old[0], new[0]) and torch.equal(old[1], new[1])
+               for old, new in zip(windows[0::2], windows[1::2]))

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from model_factory import random_model, tiny_config
 from modeling_deepseek_v41.cache import DeepseekV41Cache
+from modeling_deepseek_v41.layers.dspark import DeepseekV41DSpark
 from modeling_deepseek_v41.model.generation.dspark import dspark_draft
 from modeling_deepseek_v41.model.generation.dspark import verify_count
 from reference_cases import FIXTURES, load_case, load_model
@@ -185,3 +186,14 @@ def test_pipeline_with_drafting(tmp_path):
     answer = pipe(text=text_only, max_new_tokens=4, return_full_text=False,
                   generate_kwargs={"do_sample": False, "generation_stats": stats})
     assert isinstance(answer[0]["generated_text"], str) and stats["new_tokens"] >= 1
+
+
+def test_the_drafter_module_keeps_the_checkpoints_stage_names():
+    """`model.dspark` (a `DeepseekV41DSpark`) is the base model's `mtp`: its parameters keep the checkpoint's
+    `mtp.{i}` names, and a slice of it is a plain list of stages."""
+    model = AutoModelForCausalLM.from_pretrained(FIXTURES / "tiny-text" / "checkpoint")
+    drafter = model.dspark
+    assert isinstance(drafter, DeepseekV41DSpark) and drafter is model.model.mtp
+    stages = {name.split(".")[2] for name in model.state_dict() if name.startswith("model.mtp.")}
+    assert stages == {str(i) for i in range(len(drafter))} and len(drafter) > 1
+    assert type(drafter[1:]) is torch.nn.ModuleList and list(drafter[1:]) == list(drafter)[1:]

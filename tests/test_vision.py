@@ -11,12 +11,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from modeling_deepseek_v41.config.configuration_deepseek_v41 import DeepseekV41VisionConfig
-from modeling_deepseek_v41.layers.vision import (
-    DeepseekV41VisionAligner,
-    DeepseekV41VisionTower,
-    embed_images,
-    merge_image_embeddings,
-)
+from modeling_deepseek_v41.layers.vision import DeepseekV41VisionAligner, DeepseekV41VisionTower
+from modeling_deepseek_v41.layers.vision_embedding import embed_images, merge_image_embeddings
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tiny-vision"
 CHECKPOINT = FIXTURE / "checkpoint"

@@ -22,7 +22,6 @@ from torch.nn import functional as F
 from transformers import Trainer
 
 from modeling_deepseek_v41.model.causal_lm import DeepseekV41ForCausalLM
-from modeling_deepseek_v41.model.generation.dspark import dspark_forward
 
 TEXT = -1
 DSPARK_LOSS_WEIGHTS = (0.1, 0.9, 1.0)  # cross-entropy, L1 distillation, confidence BCE
@@ -44,7 +43,7 @@ def freeze_all_but_drafter(model) -> list[str]:
     model = _base(model)
     model.requires_grad_(False)
     names = []
-    for name, param in model.model.mtp.named_parameters():
+    for name, param in model.dspark.named_parameters():
         if name.endswith(("gate.bias", "gate.bias_vl")) or not param.is_floating_point() or param.element_size() < 2:
             continue
         param.requires_grad_(True)
@@ -131,9 +130,9 @@ def dspark_training_logits(model, input_ids: torch.Tensor, taps: torch.Tensor, a
 
     anchor_pos = positions.gather(1, anchors)  # [B,A]
     block_pos = anchor_pos.unsqueeze(-1) + 1 + steps
-    spec = model.model.mtp[0].spec
-    block_rotation = model.model.rotary.angles(spec, block_pos.flatten(0, 1))  # [N,K,rope/2]
-    tap_rotation = model.model.rotary.angles(spec, positions.clamp_min(0))  # [B,S,rope/2]
+    drafter = model.dspark
+    block_rotation = drafter.rotation(block_pos.flatten(0, 1))  # [N,K,rope/2]
+    tap_rotation = drafter.rotation(positions.clamp_min(0))  # [B,S,rope/2]
 
     # each anchor's window: sequence indices p-W+1 .. p (padding positions are never inside it: right padding)
     width = min(window, seq)
@@ -141,23 +140,22 @@ def dspark_training_logits(model, input_ids: torch.Tensor, taps: torch.Tensor, a
     window_valid = (window_index >= 0) & anchor_valid.unsqueeze(-1)
     window_index = window_index.clamp_min(0)
 
-    main_x = model.model.project_taps(taps.to(model.model.mtp[0].main_proj.weight.dtype))
+    main_x = drafter.project_taps(taps.to(drafter.tap_dtype))
     block_ids = torch.full_like(prev_tokens, cfg.dspark_noise_token_id)
     block_ids[..., 0] = prev_tokens[..., 0]
     flat_window = window_index.flatten(1)  # [B, A*W]
 
-    def stage_window(block, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def stage_window(stage, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Each anchor's window of this stage's KV, projected from the taps at their positions."""
-        kv = block.attn.window_kv(main_x, tap_rotation)  # [B,S,hd]
+        kv = stage.window_kv(main_x, tap_rotation)  # [B,S,hd]
         window_kv = kv.gather(1, flat_window.unsqueeze(-1).expand(-1, -1, kv.shape[-1]))
         return window_kv.view(batch * n_anchors, width, kv.shape[-1]).to(dtype), window_valid.flatten(0, 1)
 
-    hidden, base = dspark_forward(model, block_ids.flatten(0, 1), block_rotation, stage_window)
-    final = model.model.mtp[-1]
-    base = base.float()
-    bias, embedding = final.markov_head(prev_tokens.flatten(0, 1))
+    hidden = drafter(model.get_input_embeddings()(block_ids.flatten(0, 1)), block_rotation, stage_window)
+    base = drafter.logits(hidden, model.get_output_embeddings()).float()
+    bias, embedding = drafter.markov(prev_tokens.flatten(0, 1))
     logits = base + bias.float()
-    confidence = final.confidence_head(hidden, embedding)
+    confidence = drafter.confidence(hidden, embedding)
     return DraftBatch(logits.view(batch, n_anchors, size, -1), confidence.view(batch, n_anchors, size).float(),
                       targets, block_index_c, mask)
 

@@ -90,7 +90,7 @@ def main(argv=None) -> int:
             model = add_lora(model, r=args.lora_rank, lora_alpha=2 * args.lora_rank)
             model.print_trainable_parameters()
         else:
-            model.model.mtp.requires_grad_(False)
+            model.dspark.requires_grad_(False)
         trainer = DeepseekV41Trainer(model=model, args=training_args, train_dataset=train, data_collator=collator,
                                      moe_aux_loss_coef=args.moe_aux_loss_coef)
     trainer.train()

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from modeling_deepseek_v41.layers.vision import embed_images
+from modeling_deepseek_v41.layers.vision_embedding import embed_images
 
 from .data import COLOURS, SHAPES, draw_shape, random_sample
 

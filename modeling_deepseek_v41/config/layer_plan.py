@@ -9,13 +9,26 @@ Index sources after the candidate source that own no keys ("Reindex") score only
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
-ROLE_WINDOW = "window"  # sliding window only (ratio 0)
-ROLE_FULL = "full"  # compresses, owns a pool and index keys, runs its indexer
-ROLE_REINDEX = "reindex"  # own indexer over another layer's pool and keys
-ROLE_REUSE = "reuse"  # reads the latest pool and the latest selection
-ROLE_DSPARK = "dspark"  # a DSpark drafter block (window only)
+
+class CSA2Role(StrEnum):
+    """What a layer does in the CSA2 schedule (equal to its plain string, e.g. `CSA2Role.FULL == "full"`)."""
+
+    WINDOW = "window"  # sliding window only (ratio 0)
+    FULL = "full"  # the pool owner: compresses into its pool, owns the index keys, scores them for a top-k
+    REUSE = "reuse"  # reads the latest pool and the latest top-k; computes only its own queries and window KV
+    REINDEX = "reindex"  # its own indexer over another layer's pool and keys, inside the candidate blocks
+    DSPARK = "dspark"  # a DSpark drafter block (window only)
+
+
+# the names the roles had before the enum, kept for a release (each is the member, equal to the old string)
+ROLE_WINDOW = CSA2Role.WINDOW
+ROLE_FULL = CSA2Role.FULL
+ROLE_REUSE = CSA2Role.REUSE
+ROLE_REINDEX = CSA2Role.REINDEX
+ROLE_DSPARK = CSA2Role.DSPARK
 
 
 @dataclass(frozen=True)
@@ -24,7 +37,7 @@ class LayerSpec:
 
     layer_id: int
     ratio: int
-    role: str
+    role: CSA2Role
     pool_source: int | None  # the KV-source layer whose compressed pool this layer attends over
     topk_source: int | None  # the index-source layer whose top-k selection this layer uses
     is_index_source: bool
@@ -37,8 +50,28 @@ class LayerSpec:
     use_yarn: bool
 
     @property
+    def is_full(self) -> bool:
+        """Full: the pool owner, which compresses each chunk into its pool and scores the pool for its top-k."""
+        return self.role == CSA2Role.FULL
+
+    @property
+    def is_reuse(self) -> bool:
+        """Reuse: attends over the latest pool's rows that the latest index source selected; no scoring."""
+        return self.role == CSA2Role.REUSE
+
+    @property
+    def is_reindex(self) -> bool:
+        """Reindex: scores another layer's pool with its own indexer (inside the candidate source's blocks)."""
+        return self.role == CSA2Role.REINDEX
+
+    @property
+    def reads_pool(self) -> bool:
+        """Any of the three pool roles: the layer attends over top-k rows of a compressed pool too."""
+        return self.is_full or self.is_reuse or self.is_reindex
+
+    @property
     def owns_pool(self) -> bool:
-        return self.role == ROLE_FULL
+        return self.is_full
 
 
 @dataclass(frozen=True)
@@ -132,7 +165,7 @@ class LayerPlan:
             if i in index_sources:
                 latest_index = i
             if r == 0:
-                role, pool, topk_src = ROLE_WINDOW, None, None
+                role, pool, topk_src = CSA2Role.WINDOW, None, None
             else:
                 if latest_pool is None:
                     fail(f"layer {i} (ratio {r}) reads a compressed pool, but no KV-source layer at or before it "
@@ -149,11 +182,11 @@ class LayerPlan:
                     fail(f"layer {i} has ratio {r} but its top-k comes from layer {topk_src} with ratio "
                          f"{ratios[topk_src]}.")
                 if i in kv_sources:
-                    role = ROLE_FULL
+                    role = CSA2Role.FULL
                 elif i in index_sources:
-                    role = ROLE_REINDEX
+                    role = CSA2Role.REINDEX
                 else:
-                    role = ROLE_REUSE
+                    role = CSA2Role.REUSE
             is_index = i in index_sources
             uses_candidates = is_index and candidate is not None and i > candidate
             if uses_candidates and pool != specs[candidate].pool_source:
@@ -169,7 +202,7 @@ class LayerPlan:
             ))
         dspark = tuple(
             LayerSpec(
-                layer_id=n + m, ratio=0, role=ROLE_DSPARK, pool_source=None, topk_source=None,
+                layer_id=n + m, ratio=0, role=CSA2Role.DSPARK, pool_source=None, topk_source=None,
                 is_index_source=False, owns_index_keys=False, is_candidate_source=False, uses_candidates=False,
                 engram_slot=None, is_dspark_tap=False, rope_theta=float(config.rope_theta), use_yarn=False,
             )

@@ -32,8 +32,14 @@ class ForwardShare:
 
 
 class DeepseekV41Attention(nn.Module):
-    """One attention layer. Its role in the CSA2 schedule (window only, pool owner, reindexer or reuser) comes
-    from its `LayerSpec`; shared pools, keys and selections travel through the per-forward `ForwardShare`."""
+    """One attention layer: a sliding window, and on a compressed layer the top-k rows of a pool. Its CSA2 role
+    comes from its `LayerSpec` (`config/layer_plan.py`'s `CSA2Role`):
+
+    - Full (the pool owner): compresses each chunk into its pool (`compress`), scores the pool, publishes a top-k;
+    - Reindex: scores the Full layer's pool with its own indexer, inside the candidate blocks, publishes a top-k;
+    - Reuse: attends over the rows the latest Full or Reindex layer selected, scoring nothing.
+
+    Shared pools, keys and selections travel through the per-forward `ForwardShare`."""
 
     def __init__(self, config, spec: LayerSpec, quantized: bool) -> None:
         super().__init__()
@@ -54,9 +60,9 @@ class DeepseekV41Attention(nn.Module):
         # block-diagonal over groups: applied as a grouped einsum, in bf16 (exact dequantization of the FP8 bytes)
         self.wo_a = DeepseekV41Weight(heads * self.head_dim // groups, groups * self.o_lora_rank, storage=fp8)
         self.wo_b = DeepseekV41Linear(groups * self.o_lora_rank, config.hidden_size, storage=fp8)
-        if spec.owns_pool:
+        if spec.is_full:  # only the pool owner compresses
             self.compressor = DeepseekV41Compressor(config, spec.ratio)
-        if spec.is_index_source:
+        if spec.is_full or spec.is_reindex:  # the two roles that score a pool
             self.indexer = DeepseekV41Indexer(config, spec, quantized)
 
     @property
@@ -70,9 +76,10 @@ class DeepseekV41Attention(nn.Module):
         """The output groups this layer runs, read from the rows of wo_a it holds (o_lora_rank per group)."""
         return self.wo_a.weight.shape[0] // self.o_lora_rank
 
-    def _pool_rows(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, share) -> None:
-        """Compress this chunk into new pool rows (RoPE'd at each group's first token, FP4-QDQ'd) and their
-        index keys, and publish the pool and keys for the layers that read them."""
+    def compress(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, share) -> None:
+        """The Full role's compress step: compress this chunk into new pool rows (RoPE'd at each group's first
+        token, FP4-QDQ'd) and their index keys, and publish the pool and keys for the layers that read them. CED's
+        bounded replay calls it ahead of the layer's forward and marks the pool written (`share.pool_ready`)."""
         spec, store = self.spec, share.store
         source = spec.layer_id
         if source in share.pool_ready:
@@ -123,14 +130,14 @@ class DeepseekV41Attention(nn.Module):
         kv = self.window_kv(x, rotation, kv_latent)
         spec, store = self.spec, share.store
         selected = None
-        if spec.ratio:
-            if spec.owns_pool:
-                self._pool_rows(x, positions, inv_freq, share)
-            if spec.is_index_source:
+        if spec.reads_pool:
+            if spec.is_full:
+                self.compress(x, positions, inv_freq, share)
+            if spec.is_full or spec.is_reindex:
                 visible = torch.div(positions + 1, spec.ratio, rounding_mode="floor").clamp_min(0)
                 share.topk[spec.layer_id] = self.indexer(x, qr, rotation, share.index_keys[spec.pool_source],
                                                          visible, share)
-            selected = share.topk[spec.topk_source]
+            selected = share.topk[spec.topk_source]  # its own top-k (Full, Reindex), the latest one's (Reuse)
         ring = store.window_storage(spec.layer_id, q.shape[1])
         if ring is not None:  # decode-sized chunk on a cache: the ring holds every window entry once written
             store.write_window(spec.layer_id, kv, positions)

@@ -57,9 +57,10 @@ class DeepseekV41Block(GradientCheckpointingLayer):
 
     def compress_only(self, streams: torch.Tensor, pre_mix: torch.Tensor, positions: torch.Tensor,
                       inv_freq: torch.Tensor, share) -> None:
-        """Only what the pool needs from this block: its attention input, compressed into pool rows and keys."""
+        """Only what the pool needs from this block (a Full layer): its attention input, compressed into pool rows
+        and keys (CED's bounded replay runs this over every prompt token, the block itself over the last ones)."""
         _, x = hc_read(streams, pre_mix, self.mix_weights("attn"), self.attn_norm)  # the forward's own x, bit for bit
-        self.attn._pool_rows(x, positions, inv_freq, share)
+        self.attn.compress(x, positions, inv_freq, share)
 
 
 class DeepseekV41BackboneBlock(DeepseekV41Block):

@@ -41,17 +41,6 @@ def finish(rows: tuple[torch.Tensor, torch.Tensor | None, object | None]
     return weight, scale
 
 
-def prefetch_engram_rows(model: torch.nn.Module, engram_rows: torch.Tensor) -> None:
-    """Start the gather (and host-to-device copy) of every externally stored Engram table's rows for this forward,
-    before any layer runs. Tables on the device need nothing: their lookup is a device gather."""
-    for index in model.plan.engram_layers:  # the plan names the Engram layers: no scan of every block per forward
-        layer = model.layers[index]
-        table = layer.engram.embed
-        if getattr(table, "external", None) is None:
-            continue
-        table.pending = table.external.start(engram_rows, layer.spec.engram_slot, engram_rows.device)
-
-
 class DeepseekV41EngramTable(nn.Module):
     """The FP8 n-gram table [rows, head_dim] with E8M0 scales per 32 columns; rows are dequantized on lookup."""
 
@@ -93,7 +82,8 @@ class DeepseekV41EngramTable(nn.Module):
 class DeepseekV41ExternalEngramTable(nn.Module):
     """An Engram table kept off the compute device (`engram_storage="host"` or `"mmap"`): it holds no parameters;
     `from_pretrained` attaches the checkpoint's table (`ExternalTable`) after loading the rest. Only looked-up rows
-    reach the compute device, and the forward usually finds them already gathered (`prefetch_engram_rows`)."""
+    reach the compute device, and the forward usually finds them already gathered (the Engram hasher's
+    `prefetch`, `engram_hashing.py`)."""
 
     def __init__(self, rows: int, head_dim: int, quantized: bool, storage: str) -> None:
         super().__init__()

@@ -1,4 +1,7 @@
-"""Engram n-gram hashing: the compressed token map, the per-layer primes and multipliers, and the hash ids.
+"""The Engram hasher, beside the Engram layer (`engram.py`, which looks the rows up and gates them in): the
+compressed token map, the per-layer primes and multipliers, the hash ids, and `DeepseekV41EngramHasher`, which
+turns a forward's token ids into every Engram layer's table rows and starts gathering rows of tables kept off the
+compute device.
 
 Every position is hashed as its 2-gram .. max_ngram-gram over compressed token ids; each (n-gram size, head)
 owns a prime-sized bucket range of the layer's table. Look-back stops at the start of the sequence and at dead
@@ -12,6 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from torch import nn
 
 DEAD = -1  # compressed id of a position that takes no part in any n-gram
 _NORMALIZED_SPACE = "\ue000"  # keeps a token that is exactly one space from collapsing to ""
@@ -167,3 +171,51 @@ def build_compressed_token_map(tokenizer) -> tuple[list[int], int]:
             key = normalizer.normalize_str(text) or text
         mapping.append(keys.setdefault(key, len(keys)))
     return mapping, len(keys)
+
+
+class DeepseekV41EngramHasher:
+    """Hashes a forward's token ids into global Engram table rows [B,S,n_engram_layers,columns], every Engram
+    layer at once, with n-grams reaching back into the store's history of compressed ids.
+
+    A plain object, not a module: the compressed token map it reads is the base model's `engram_token_map` buffer
+    (the checkpoint's name for it), handed to each call rather than held, so a moved or resized map is always the
+    one read."""
+
+    def __init__(self, text_config, engram_layers: tuple[int, ...]) -> None:
+        self.layout = EngramHashLayout.from_config(text_config)
+        self.engram_layers = engram_layers  # backbone layer indices, in engram slot order (the plan's)
+        self.vocab_size = text_config.vocab_size
+        self.compressed_vocab_size = text_config.engram_compressed_vocab_size
+        self.pad_token_id = text_config.engram_pad_token_id
+        self.max_ngram_size = text_config.engram_max_ngram_size
+
+    def default_token_map(self) -> torch.Tensor:
+        """The token map of a model built without a tokenizer: token id modulo the compressed vocabulary."""
+        return default_token_map(self.vocab_size, self.compressed_vocab_size)
+
+    @staticmethod
+    def compress(token_map: torch.Tensor, input_ids: torch.Tensor, dead: torch.Tensor | None) -> torch.Tensor:
+        """Compressed ids [B,S] of `input_ids`, `DEAD` where `dead` (image spans, padding) cuts every n-gram."""
+        compressed = token_map[input_ids]
+        return compressed if dead is None else compressed.masked_fill(dead, DEAD)
+
+    def rows(self, token_map: torch.Tensor, input_ids: torch.Tensor, dead: torch.Tensor | None, store,
+             replayed: int = 0) -> torch.Tensor:
+        """Global table rows [B,S,n_engram_layers,columns] of every position of `input_ids`. The compressed ids
+        are appended to `store`'s history (a cache's, or a throw-away ChunkStore's), whose earlier ids the
+        n-grams of the first positions reach back into."""
+        history = store.append_history(self.compress(token_map, input_ids, dead), replayed)
+        pad = token_map[self.pad_token_id]  # a 0-dim tensor: no host read
+        shifted = ngram_window(history, pad, self.max_ngram_size, input_ids.shape[1])
+        primes, offsets, multipliers = self.layout.tensors_on(input_ids.device)
+        return engram_hash_ids(shifted, primes, offsets, multipliers)
+
+    def prefetch(self, layers: nn.ModuleList, rows: torch.Tensor) -> None:
+        """Start the gather (and host-to-device copy) of every externally stored Engram table's `rows` for this
+        forward, before any layer runs. Tables on the device need nothing: their lookup is a device gather."""
+        for index in self.engram_layers:  # the plan names the Engram layers: no scan of every block per forward
+            layer = layers[index]
+            table = layer.engram.embed
+            if getattr(table, "external", None) is None:
+                continue
+            table.pending = table.external.start(rows, layer.spec.engram_slot, rows.device)

@@ -3,7 +3,7 @@ the checkpoint's safetensors file.
 
 Only the rows a forward looks up move to the compute device. Their ids are known as soon as the token ids are
 (`engram_hashing.py`), so the model's forward starts every table's gather and host-to-device copy before the first
-layer runs (`layers.engram.prefetch_engram_rows`); the Engram layer then picks up the finished rows.
+layer runs (`DeepseekV41EngramHasher.prefetch`); the Engram layer then picks up the finished rows.
 """
 
 from __future__ import annotations

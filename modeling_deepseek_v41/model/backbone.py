@@ -1,98 +1,44 @@
-"""`DeepseekV41Model`, the base model: embeddings (with image spans), Engram hashing, every block, the final norm and
-the DSpark drafter's blocks; what the layers of one forward share (ForwardContext), and the runner that takes the
-embeddings through Engram, the DSpark taps and every block (whole, or with CED's bounded replay)."""
+"""`DeepseekV41Model`, the base model: its modules (embeddings, every block, the final norm, the DSpark drafter, the
+vision tower, the Engram token map), the forward that prepares what the layers share (`forward_context.py`) and the
+layer loop that takes the embeddings through Engram, the DSpark taps and every block, whole or with CED's bounded
+replay (`bounded_replay.py`). Hashing the Engram rows, embedding images and drafting are their units' own
+(`layers/engram_hashing.py`, `layers/vision_embedding.py`, `layers/dspark.py`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import warnings
 
 import torch
 from torch import nn
-from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.utils.generic import can_return_tuple
 
 from ..cache.cache import DeepseekV41Cache
 from ..cache.chunk_store import ChunkStore
-from ..config.config_validation import check_field
 from ..config.configuration_deepseek_v41 import DeepseekV41Config
 from ..config.layer_plan import LayerPlan
 from ..kernels.numerics import weight_dtype
 from ..layers.attention import ForwardShare
 from ..layers.block import DeepseekV41BackboneBlock
-from ..layers.dspark import DeepseekV41DSparkBlock
-from ..layers.engram import prefetch_engram_rows
-from ..layers.engram_hashing import DEAD, EngramHashLayout, default_token_map, engram_hash_ids, ngram_window
-from ..layers.hyper_connections import hc_collapse, initial_streams
+from ..layers.dspark import DeepseekV41DSpark
+from ..layers.engram_hashing import DEAD, DeepseekV41EngramHasher
+from ..layers.hyper_connections import initial_streams
 from ..layers.linear import DeepseekV41RMSNorm
 from ..layers.rotary import DeepseekV41Rotary
-from ..layers.vision import DeepseekV41VisionAligner, DeepseekV41VisionTower, embed_images, merge_image_embeddings
+from ..layers.vision import DeepseekV41VisionAligner, DeepseekV41VisionTower
+from ..layers.vision_embedding import embed_image_spans
 from ..loading.loader import compressed_token_map
-from .inputs import cache_in_use, check_forward_inputs
+from .bounded_replay import run_bounded_replay
+from .forward_context import BackboneRun, DeepseekV41ModelOutput, ForwardContext
+from .inputs import check_forward_inputs, dead_positions, forward_ids, forward_store, output_flags, token_positions
 from .pretrained import DeepseekV41PreTrainedModel
 
 
-
-@dataclass
-class DeepseekV41ModelOutput(BaseModelOutputWithPast):
-    """The base model's output.
-
-    last_hidden_state: [B,S,D] the final norm of the hc streams collapsed by the last block's weights (what
-        `lm_head` reads). cache: the `DeepseekV41Cache` (with `use_cache`).
-    hidden_states: with `output_hidden_states`, num_hidden_layers + 1 tensors [B,S,D]: the embeddings, then every
-        block's output, each the mean over the hyper-connection streams (what the DSpark taps read; no final norm).
-    hc_streams: with `output_hidden_states`, the same states unreduced: the streams [B,S,hc_mult,D].
-    router_logits / router_experts: with `output_router_logits`, every layer's router scores and chosen experts.
-    dspark_hidden: the DSpark tap (mean over streams of each target layer's input, concatenated) of the caller's
-        tokens; None without DSpark target layers.
-    """
-
-    hc_streams: tuple[torch.Tensor, ...] | None = None
-    router_logits: tuple[torch.Tensor, ...] | None = None
-    router_experts: tuple[torch.Tensor, ...] | None = None
-    dspark_hidden: torch.Tensor | None = None
-
-
-@dataclass
-class ForwardContext:
-    """Everything the layers of one forward share, computed once before the first layer."""
-
-    positions: torch.Tensor  # [B,S], -1 for padding
-    rotations: dict[tuple[float, bool], tuple[torch.Tensor, torch.Tensor]]  # (theta, yarn) -> (angles, inv_freq)
-    engram_rows: torch.Tensor | None  # [B,S,n_engram_layers,columns]
-    engram_live: torch.Tensor | None  # [B,S] False at image-span and padding positions
-    image_mask: torch.Tensor | None  # [B,S] True inside image spans
-    share: ForwardShare
-
-    def tail(self, count: int) -> "ForwardContext":
-        """The same forward restricted to its last `count` tokens (sharing the CSA2 share)."""
-        return ForwardContext(
-            positions=self.positions[:, -count:],
-            rotations={k: (angles[:, -count:], inv) for k, (angles, inv) in self.rotations.items()},
-            engram_rows=None if self.engram_rows is None else self.engram_rows[:, -count:],
-            engram_live=None if self.engram_live is None else self.engram_live[:, -count:],
-            image_mask=None if self.image_mask is None else self.image_mask[:, -count:],
-            share=self.share,
-        )
-
-
-@dataclass
-class BackboneRun:
-    """What one pass over the backbone layers produced."""
-
-    streams: torch.Tensor  # [B,S,hc,D] output of the last block
-    pre_mix: torch.Tensor  # [B,S,hc] collapse weights for the final norm
-    all_streams: tuple[torch.Tensor, ...] | None  # embedding streams, then every block's output
-    router_logits: list[torch.Tensor]
-    experts: list[torch.Tensor]
-    taps: list[torch.Tensor]  # DSpark taps in dspark_target_layer_ids order
-    positions: torch.Tensor  # [B, T] positions of the tokens the last layers ran on (the taps' positions)
-
-
 class DeepseekV41Model(DeepseekV41PreTrainedModel):
-    """The DeepSeek-V4.1 backbone without the output head: `embed`, `layers`, `norm`, the DSpark drafter's blocks
-    (`mtp`, run by `DeepseekV41ForCausalLM` with its head), the vision tower (`vision`, `aligner`, `image_*`) and the
-    Engram token map. Module names are the hub checkpoint's, so `AutoModel` loads the released files as shipped; the
-    CSA2 schedule comes from one `LayerPlan` computed at construction."""
+    """The DeepSeek-V4.1 backbone without the output head: `embed`, `layers`, `norm`, the DSpark drafter (`mtp`, a
+    `DeepseekV41DSpark` whose rings this forward feeds and which `DeepseekV41ForCausalLM` runs with its head), the
+    vision tower (`vision`, `aligner`, `image_*`) and the Engram token map (read by the `engram_hasher`). Module
+    names are the hub checkpoint's, so `AutoModel` loads the released files as shipped; the CSA2 schedule comes from
+    one `LayerPlan` computed at construction."""
 
     def __init__(self, config: DeepseekV41Config) -> None:
         super().__init__(config)
@@ -106,23 +52,21 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
             DeepseekV41BackboneBlock(text, spec, quantized, has_vision_bias=vision) for spec in self.plan.layers
         )
         self.norm = DeepseekV41RMSNorm(text.hidden_size, text.rms_norm_eps)
-        drafting = text.dspark_block_size > 0
-        self.mtp = nn.ModuleList(
-            DeepseekV41DSparkBlock(text, spec, stage, quantized, vision)
-            for stage, spec in enumerate(self.plan.dspark_layers if drafting else ())
-        )
+        self.rotary = DeepseekV41Rotary(text, ((spec.rope_theta, spec.use_yarn)
+                                               for spec in self.plan.layers + self.plan.dspark_layers))
+        drafting = text.dspark_block_size > 0  # the module keeps the checkpoint's names: mtp.{stage}
+        self.mtp = DeepseekV41DSpark(text, self.plan.dspark_layers if drafting else (), quantized, vision,
+                                     self.rotary)
         if vision:
             self.vision = DeepseekV41VisionTower(config.vision_config)
             self.aligner = DeepseekV41VisionAligner(config.vision_config, text.hidden_size)
             for name in ("image_start", "image_end", "image_newline"):
                 setattr(self, name, nn.Parameter(torch.empty(text.hidden_size, dtype=weight_dtype(torch.bfloat16))))
+        self.engram_hasher = None  # token ids -> Engram table rows, for the Engram layers of the plan
         if self.plan.engram_layers:
-            self.engram_layout = EngramHashLayout.from_config(text)
+            self.engram_hasher = DeepseekV41EngramHasher(text, self.plan.engram_layers)
             # saved with the weights; from_pretrained builds it from the tokenizer when a checkpoint lacks it
-            self.register_buffer("engram_token_map",
-                                 default_token_map(text.vocab_size, text.engram_compressed_vocab_size))
-        self.rotary = DeepseekV41Rotary(text, ((spec.rope_theta, spec.use_yarn)
-                                               for spec in self.plan.layers + self.plan.dspark_layers))
+            self.register_buffer("engram_token_map", self.engram_hasher.default_token_map())
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Module:
@@ -154,34 +98,15 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         >= 0 image span) marks image spans, `prefill_mode` chooses CED's bounded replay for a long prefill.
         `inputs_embeds` replaces the token embeddings; without `input_ids` it needs a config without Engram
         layers and runs without a cache (both read the token ids)."""
-        if output_attentions or (output_attentions is None and self.config.output_attentions):
-            raise ValueError("output_attentions=True is not supported: DeepSeek-V4.1's sparse attention (top-k "
-                             "compressed blocks plus a sliding window) never materialises attention maps.")
+        output_hidden_states, output_router_logits = output_flags(self.config, output_attentions,
+                                                                  output_hidden_states, output_router_logits)
         if input_ids is not None:
             check_forward_inputs(self.config, input_ids, attention_mask, token_types, pixel_values, cache,
                                  past_key_values)
-        input_ids, use_cache = self._ids_for(input_ids, inputs_embeds, cache or past_key_values, use_cache)
-        output_hidden_states = (output_hidden_states if output_hidden_states is not None
-                                else self.config.output_hidden_states)
-        if output_router_logits is None:
-            output_router_logits = self.config.text_config.output_router_logits
-        cache = cache if cache is not None else past_key_values
-        if cache is None and use_cache:
-            cache = DeepseekV41Cache(self.config)
-        if cache is not None:
-            if not isinstance(cache, DeepseekV41Cache):
-                raise TypeError(f"DeepseekV41Model needs a DeepseekV41Cache, got {type(cache).__name__}.")
-            cache.check_compatible(self.config.text_config)
-        store = cache if cache is not None else ChunkStore()  # without a cache, the layers' KV lives one forward
-        past = store.get_seq_length()
-        max_positions = self.config.text_config.max_position_embeddings
-        if past + input_ids.shape[1] > max_positions:
-            raise ValueError(
-                f"Sequence of {past + input_ids.shape[1]} tokens exceeds max_position_embeddings ({max_positions})."
-            )
-        if prefill_mode is not None:  # the config's own value was checked when the config was made
-            check_field(self.config.text_config, "prefill_mode", prefill_mode)
-        mode = prefill_mode or self.config.text_config.prefill_mode
+        input_ids, use_cache = forward_ids(self.config, self.plan, self.training, input_ids, inputs_embeds,
+                                           cache or past_key_values, use_cache)
+        cache, store, mode = forward_store(self.config, cache if cache is not None else past_key_values, use_cache,
+                                           input_ids.shape[1], prefill_mode)
         input_ids, positions, replayed = store.begin_chunk(input_ids, attention_mask, self.embed.weight.dtype)
         if replayed and token_types is not None:
             token_types = torch.cat([torch.full_like(input_ids[:, :replayed], -1), token_types], dim=1)
@@ -193,61 +118,26 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         if mode == "bounded_replay" and cache is not None and replayed == 0 and input_ids.shape[1] > replay:
             run = self.run_backbone_bounded(hidden, context, replay)
         else:
-            run = self.run_backbone(hidden, context, output_hidden_states=bool(output_hidden_states))
-        streams, pre_mix = run.streams, run.pre_mix
+            run = self.run_backbone(hidden, context, output_hidden_states=output_hidden_states)
         tapped = torch.cat(run.taps, dim=-1) if run.taps else None
         if store.dspark and tapped is not None:
-            spec = self.mtp[0].spec
-            rotation = context.rotations[(spec.rope_theta, spec.use_yarn)][0][:, -tapped.shape[1]:]
-            self.feed_drafter_rings(tapped, run.positions, rotation, store)
+            self.mtp.feed_rings(tapped, run.positions, context.rotations, store)
         store.commit(input_ids, context.positions, replayed)
-        all_streams = run.all_streams
-        if replayed:  # the replayed tokens only rebuilt windows: report the caller's tokens
-            streams, pre_mix = streams[:, replayed:], pre_mix[:, replayed:]
-            tapped = None if tapped is None else tapped[:, replayed:]
-            all_streams = None if all_streams is None else tuple(s[:, replayed:] for s in all_streams)
-        return DeepseekV41ModelOutput(
-            last_hidden_state=self.norm(hc_collapse(streams, pre_mix)), cache=cache,
-            hidden_states=None if all_streams is None else (hidden[:, replayed:] if replayed else hidden,) + tuple(
-                s.mean(dim=2) for s in all_streams[1:]),  # the embeddings themselves (the streams are copies)
-            hc_streams=all_streams,
-            router_logits=tuple(run.router_logits) if output_router_logits else None,
-            router_experts=tuple(run.experts) if output_router_logits else None,
-            dspark_hidden=tapped,
-        )
-
-    def _ids_for(self, input_ids, inputs_embeds, cache, use_cache) -> tuple[torch.Tensor, bool]:
-        """The token ids a forward runs on (zeros standing in for them with `inputs_embeds` alone, where nothing
-        reads them) and whether it uses a cache (`use_cache=None` follows the config, and is off for a training forward
-        that records gradients: the cache keeps packed FP4/FP8 bytes that carry none, and a recomputed checkpoint
-        would find them written; never under torch.export: `cache_in_use`)."""
-        if input_ids is not None:
-            default = self.config.text_config.use_cache and not (self.training and torch.is_grad_enabled())
-            return input_ids, cache_in_use(use_cache, default, cache)
-        if inputs_embeds is None:
-            raise ValueError("Pass input_ids (or inputs_embeds, for a config without Engram layers).")
-        if self.plan.engram_layers:
-            raise ValueError(
-                f"inputs_embeds without input_ids is not supported by this config: its Engram layers "
-                f"{list(self.plan.engram_layers)} hash the token ids. Pass input_ids (with inputs_embeds if wanted)."
-            )
-        if cache is not None or use_cache:
-            raise ValueError("A cache records the token ids (for its restore and replay): pass input_ids with "
-                             "inputs_embeds, or use_cache=False.")
-        return torch.zeros(inputs_embeds.shape[:2], dtype=torch.long, device=inputs_embeds.device), False
+        return run.output(self.norm, hidden, tapped, replayed, cache, output_router_logits)
 
     def project_taps(self, taps: torch.Tensor) -> torch.Tensor:
-        """The backbone taps [..., n_taps*D] projected into the drafter's width (stage 0's `main_proj`,
-        `main_norm`): what every stage's window KV is computed from."""
-        first = self.mtp[0]
-        return first.main_norm(first.main_proj(taps))
+        """Deprecated (removed in the next release): the drafter's `model.mtp.project_taps(taps)`."""
+        warnings.warn("DeepseekV41Model.project_taps is deprecated and will be removed in the next release: use the "
+                      "DSpark drafter's model.mtp.project_taps(taps).", FutureWarning, stacklevel=2)
+        return self.mtp.project_taps(taps)
 
     def feed_drafter_rings(self, taps: torch.Tensor, positions: torch.Tensor, rotation: torch.Tensor, cache
                            ) -> None:
-        """Write every processed position's drafter window KV (from the projected taps) into each stage's ring."""
-        main_x = self.project_taps(taps)
-        for block in self.mtp:
-            cache.write_window(block.spec.layer_id, block.attn.window_kv(main_x, rotation), positions)
+        """Deprecated (removed in the next release): the drafter's `model.mtp.feed_rings(...)`."""
+        warnings.warn("DeepseekV41Model.feed_drafter_rings is deprecated and will be removed in the next release: use "
+                      "the DSpark drafter's model.mtp.feed_rings(taps, positions, rotations, store).", FutureWarning,
+                      stacklevel=2)
+        self.mtp.feed_rings(taps, positions, {self.mtp.rope_variant: (rotation, None)}, cache)
 
     def build_engram_token_map(self, tokenizer) -> None:
         """Build the Engram compressed token map from `tokenizer` (it is saved with the model afterwards)."""
@@ -258,19 +148,10 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
 
     def engram_rows(self, input_ids: torch.Tensor, dead: torch.Tensor | None, store=None, replayed: int = 0
                     ) -> torch.Tensor:
-        """Global Engram table rows [B,S,n_engram_layers,columns] of every position of `input_ids`; with a cache
-        as the `store`, n-grams reach back into the cached history."""
+        """Global Engram table rows [B,S,n_engram_layers,columns] of every position of `input_ids` (the hasher's,
+        over this model's token map); with a cache as the `store`, n-grams reach back into the cached history."""
         store = ChunkStore() if store is None else store
-        token_map = self.engram_token_map
-        text = self.config.text_config
-        compressed = token_map[input_ids]
-        if dead is not None:
-            compressed = compressed.masked_fill(dead, DEAD)
-        history = store.append_history(compressed, replayed)
-        pad = token_map[text.engram_pad_token_id]
-        shifted = ngram_window(history, pad, text.engram_max_ngram_size, input_ids.shape[1])
-        primes, offsets, multipliers = self.engram_layout.tensors_on(input_ids.device)
-        return engram_hash_ids(shifted, primes, offsets, multipliers)
+        return self.engram_hasher.rows(self.engram_token_map, input_ids, dead, store, replayed)
 
     def prepare_context(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                         token_types: torch.Tensor | None = None, record_selection: bool = False,
@@ -279,27 +160,15 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         image mask and the per-forward CSA2 share. `store` is the cache (whose `begin_chunk` gave `positions`)
         or, by default, a throw-away ChunkStore."""
         store = ChunkStore() if store is None else store
-        batch, seq = input_ids.shape
-        device = input_ids.device
-        if positions is None:
-            if attention_mask is None:
-                positions = torch.arange(seq, device=device).expand(batch, seq)
-            else:
-                mask = attention_mask[:, -seq:].to(torch.bool)
-                positions = torch.where(mask, mask.long().cumsum(-1) - 1, -1)
-        padding = positions < 0
-        # an all-False mask changes nothing; only eager, growing-cache calls read it back to skip the masking
-        keep = torch.compiler.is_compiling() or store.is_static
-        padding = padding if keep or bool(padding.any()) else None
-        image_mask = token_types >= 0 if token_types is not None else None
-        dead = image_mask
-        if padding is not None:
-            dead = padding if dead is None else dead | padding
+        positions = token_positions(input_ids, attention_mask) if positions is None else positions
+        # an all-False padding mask changes nothing; only eager, growing-cache calls read it back to skip it
+        image_mask, dead = dead_positions(positions, token_types, torch.compiler.is_compiling() or store.is_static)
         rotations = self.rotary.rotations(positions)
-        engram_rows = self.engram_rows(input_ids, dead, store, replayed) if self.plan.engram_layers else None
-        if engram_rows is not None:  # host/mmap tables: start gathering their rows before the first layer
-            prefetch_engram_rows(self, engram_rows)
-        else:
+        engram_rows = None
+        if self.engram_hasher is not None:
+            engram_rows = self.engram_hasher.rows(self.engram_token_map, input_ids, dead, store, replayed)
+            self.engram_hasher.prefetch(self.layers, engram_rows)  # host/mmap tables: gather before the first layer
+        else:  # the cache's history still gets a column per token
             store.append_history(torch.full_like(input_ids, DEAD), replayed)
         return ForwardContext(
             positions=positions, rotations=rotations, engram_rows=engram_rows,
@@ -321,8 +190,8 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         rows = context.engram_rows[:, :, layer.spec.engram_slot]
         return layer.engram(streams, rows, context.engram_live)
 
-    def _run_layers(self, layers: range, streams: torch.Tensor, pre_mix: torch.Tensor, context: ForwardContext,
-                    run: BackboneRun, engram_done: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def run_layers(self, layers: range, streams: torch.Tensor, pre_mix: torch.Tensor, context: ForwardContext,
+                   run: BackboneRun, engram_done: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Engram, DSpark tap and block of each layer in `layers`, recording into `run`."""
         for index in layers:
             if index != engram_done:
@@ -342,43 +211,23 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         streams, pre_mix = initial_streams(hidden, self.config.text_config.hc_mult)
         run = BackboneRun(streams, pre_mix, (streams,) if output_hidden_states else None, [], [], [],
                           context.positions)
-        run.streams, run.pre_mix = self._run_layers(range(len(self.layers)), streams, pre_mix, context, run)
+        run.streams, run.pre_mix = self.run_layers(range(len(self.layers)), streams, pre_mix, context, run)
         return run
 
     def run_backbone_bounded(self, hidden: torch.Tensor, context: ForwardContext, replay: int) -> BackboneRun:
-        """CED prefill with bounded replay: every token runs the encoder layers and the first decoder layer's
-        compressor (the decoder's pool depends on nothing else); only the last `replay` tokens run the decoder
-        layers, whose windows see only the replayed segment."""
-        decoder = self.plan.decoder_start
-        streams, pre_mix = initial_streams(hidden, self.config.text_config.hc_mult)
-        run = BackboneRun(streams, pre_mix, None, [], [], [], context.positions)
-        streams, pre_mix = self._run_layers(range(decoder), streams, pre_mix, context, run)
-        layer = self.layers[decoder]
-        streams = self.apply_engram(decoder, streams, context)
-        _, inv_freq = context.rotations[(layer.spec.rope_theta, layer.spec.use_yarn)]
-        layer.compress_only(streams, pre_mix, context.positions, inv_freq, context.share)
-        tail = context.tail(replay)
-        tail.share.pool_ready.add(decoder)
-        tail.share.window_floor = torch.where(tail.positions >= 0, tail.positions,
-                                              torch.iinfo(tail.positions.dtype).max).amin(dim=1)
-        run.taps = [tap[:, -replay:] for tap in run.taps]
-        run.streams, run.pre_mix = self._run_layers(range(decoder, len(self.layers)), streams[:, -replay:],
-                                                    pre_mix[:, -replay:], tail, run, engram_done=decoder)
-        run.positions = tail.positions
-        return run
+        """CED prefill with bounded replay (`bounded_replay.py`): every token through the encoder layers and the
+        first decoder layer's compress step, only the last `replay` tokens through the decoder layers."""
+        return run_bounded_replay(self, hidden, context, replay)
 
     def embed_tokens(self, input_ids: torch.Tensor, token_types: torch.Tensor | None = None,
                      pixel_values: torch.Tensor | None = None, image_grids: torch.Tensor | None = None
                      ) -> torch.Tensor:
         """Token embeddings with every image span overwritten: delimiters by the learned vectors, image slots by
-        the ViT + aligner features in reading order."""
+        the ViT + aligner features in reading order (`embed_image_spans`)."""
         hidden = self.embed(input_ids)
         if pixel_values is None or (pixel_values.shape[0] == 0 and not self.config.vision_enabled):
             return hidden  # the processor gives every text its (possibly empty) image inputs
         if not self.config.vision_enabled:
             raise ValueError("pixel_values were given but this checkpoint has no vision tower (vision_config).")
-        if token_types is None or image_grids is None:
-            raise ValueError("Images need the processor's token_types and image_grids next to pixel_values.")
-        image_embeds = embed_images(self.vision, self.aligner, pixel_values, image_grids)
-        return merge_image_embeddings(hidden, token_types, image_embeds, self.image_start, self.image_newline,
-                                      self.image_end)
+        return embed_image_spans(hidden, token_types, pixel_values, image_grids, self.vision, self.aligner,
+                                 (self.image_start, self.image_newline, self.image_end))

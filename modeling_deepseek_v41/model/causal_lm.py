@@ -12,6 +12,7 @@ from transformers.utils.generic import can_return_tuple
 
 from ..cache.cache import DeepseekV41Cache
 from ..config.configuration_deepseek_v41 import DeepseekV41Config
+from ..layers.dspark import DeepseekV41DSpark
 from ..layers.linear import DeepseekV41Linear
 from ..loading.loader import accept_hub_names
 from .backbone import DeepseekV41Model
@@ -57,10 +58,17 @@ class DeepseekV41ForCausalLM(DeepseekV41GenerationMixin, DeepseekV41PreTrainedMo
         return self.model.quantized
 
     @property
+    def dspark(self) -> DeepseekV41DSpark:
+        """The DSpark drafter (the base model's `mtp`, the checkpoint's name; empty without drafter weights): what
+        drafting and drafter training run, with this model's embedding and head."""
+        return self.model.mtp
+
+    @property
     def mtp(self) -> nn.ModuleList:
-        """Deprecated (removed in the next release): the DSpark drafter blocks are `model.model.mtp`."""
+        """Deprecated (removed in the next release): the DSpark drafter is `model.dspark`, `model.model.mtp`."""
         warnings.warn("DeepseekV41ForCausalLM.mtp is deprecated and will be removed in the next release: the DSpark "
-                      "drafter blocks live in the base model, model.model.mtp.", FutureWarning, stacklevel=2)
+                      "drafter is model.dspark, which lives in the base model as model.model.mtp.", FutureWarning,
+                      stacklevel=2)
         return self.model.mtp
 
     def get_input_embeddings(self) -> nn.Module:
@@ -82,7 +90,7 @@ class DeepseekV41ForCausalLM(DeepseekV41GenerationMixin, DeepseekV41PreTrainedMo
         embeddings = super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
         vocab = embeddings.weight.shape[0]
         if self.has_dspark:  # the drafter's bigram bias is indexed by the previous token and scores every token
-            markov = self.model.mtp[-1].markov_head
+            markov = self.dspark[-1].markov_head
             markov.embed = self._get_resized_embeddings(markov.embed, vocab, mean_resizing=mean_resizing)
             markov.head = self._get_resized_lm_head(markov.head, vocab, mean_resizing=mean_resizing)
         return embeddings

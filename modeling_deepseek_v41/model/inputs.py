@@ -1,4 +1,6 @@
-"""Validation of a forward's inputs, before any work: each problem a ValueError that names it and the fix.
+"""A forward's inputs: their validation before any work (each problem a ValueError that names it and the fix), and
+what the forward resolves from them first (the output flags, the token ids, the cache and the store, the
+positions, the image spans and the dead positions).
 
 Shape and dtype checks cost nothing. Checks that read tensor values (id range, all-masked rows, image spans) run
 when the tensors are on the CPU or the forward processes more than one token; a one-token decode step on an
@@ -10,6 +12,8 @@ from __future__ import annotations
 import torch
 
 from ..cache.cache import DeepseekV41Cache
+from ..cache.chunk_store import ChunkStore
+from ..config.config_validation import check_field
 from ..kernels.dispatch import fast_path
 
 
@@ -124,3 +128,79 @@ def cache_in_use(use_cache: bool | None, default: bool, cache) -> bool:
                          "of tensors, and the cache is Python state that grows with every call. Export the forward "
                          "without a cache (use_cache=False, the default under export) and decode with the eager model.")
     return False
+
+
+def output_flags(config, output_attentions, output_hidden_states, output_router_logits) -> tuple[bool, bool]:
+    """(output_hidden_states, output_router_logits), each the config's when None; attention maps are refused."""
+    if output_attentions or (output_attentions is None and config.output_attentions):
+        raise ValueError("output_attentions=True is not supported: DeepSeek-V4.1's sparse attention (top-k "
+                         "compressed blocks plus a sliding window) never materialises attention maps.")
+    hidden = config.output_hidden_states if output_hidden_states is None else output_hidden_states
+    router = config.text_config.output_router_logits if output_router_logits is None else output_router_logits
+    return bool(hidden), bool(router)
+
+
+def forward_ids(config, plan, training: bool, input_ids, inputs_embeds, cache, use_cache) -> tuple[torch.Tensor, bool]:
+    """The token ids a forward runs on (zeros standing in for them with `inputs_embeds` alone, where nothing reads
+    them) and whether it uses a cache (`use_cache=None` follows the config, and is off for a training forward that
+    records gradients: the cache keeps packed FP4/FP8 bytes that carry none, and a recomputed checkpoint would find
+    them written; never under torch.export: `cache_in_use`)."""
+    if input_ids is not None:
+        default = config.text_config.use_cache and not (training and torch.is_grad_enabled())
+        return input_ids, cache_in_use(use_cache, default, cache)
+    if inputs_embeds is None:
+        raise ValueError("Pass input_ids (or inputs_embeds, for a config without Engram layers).")
+    if plan.engram_layers:
+        raise ValueError(
+            f"inputs_embeds without input_ids is not supported by this config: its Engram layers "
+            f"{list(plan.engram_layers)} hash the token ids. Pass input_ids (with inputs_embeds if wanted)."
+        )
+    if cache is not None or use_cache:
+        raise ValueError("A cache records the token ids (for its restore and replay): pass input_ids with "
+                         "inputs_embeds, or use_cache=False.")
+    return torch.zeros(inputs_embeds.shape[:2], dtype=torch.long, device=inputs_embeds.device), False
+
+
+def forward_store(config, cache, use_cache: bool, length: int, prefill_mode: str | None):
+    """(the forward's cache or None, the store its layers use, the prefill mode) for a chunk of `length` tokens: a
+    new cache when `use_cache` asks for one, a checked given one, else a throw-away ChunkStore (one attention path
+    with or without a cache); the chunk must fit the positions after the cached ones."""
+    text = config.text_config
+    if cache is None and use_cache:
+        cache = DeepseekV41Cache(config)
+    if cache is not None:
+        if not isinstance(cache, DeepseekV41Cache):
+            raise TypeError(f"DeepseekV41Model needs a DeepseekV41Cache, got {type(cache).__name__}.")
+        cache.check_compatible(text)
+    store = cache if cache is not None else ChunkStore()  # without a cache, the layers' KV lives one forward
+    past = store.get_seq_length()
+    if past + length > text.max_position_embeddings:
+        raise ValueError(
+            f"Sequence of {past + length} tokens exceeds max_position_embeddings ({text.max_position_embeddings})."
+        )
+    if prefill_mode is not None:  # the config's own value was checked when the config was made
+        check_field(text, "prefill_mode", prefill_mode)
+    return cache, store, prefill_mode or text.prefill_mode
+
+
+def token_positions(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """Positions [B,S] of a forward without a cache's own: counted over the mask's real tokens, -1 at padding."""
+    batch, seq = input_ids.shape
+    if attention_mask is None:
+        return torch.arange(seq, device=input_ids.device).expand(batch, seq)
+    mask = attention_mask[:, -seq:].to(torch.bool)
+    return torch.where(mask, mask.long().cumsum(-1) - 1, -1)
+
+
+def dead_positions(positions: torch.Tensor, token_types: torch.Tensor | None, keep_padding: bool
+                   ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(image mask, dead mask) [B,S]: image spans, and image spans or padding (no Engram n-gram, no live gate).
+    Without `keep_padding` an all-False padding mask is dropped (one host read), so a forward without padding
+    skips the masking."""
+    padding = positions < 0
+    padding = padding if keep_padding or bool(padding.any()) else None
+    image_mask = token_types >= 0 if token_types is not None else None
+    dead = image_mask
+    if padding is not None:
+        dead = padding if dead is None else dead | padding
+    return image_mask, dead

@@ -1,5 +1,5 @@
-"""DSpark drafting: feed the drafter's rings from the backbone taps, draft a block of tokens in one forward, and
-the candidate generator that runs it inside generate() (`use_dspark`)."""
+"""DSpark drafting: draft a block of tokens in one forward of the drafter (`DeepseekV41DSpark`, whose rings the
+backbone's forward feeds), and the candidate generator that runs it inside generate() (`use_dspark`)."""
 
 from __future__ import annotations
 
@@ -11,29 +11,11 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation.candidate_generator import CandidateGenerator
 
-from ...layers.hyper_connections import hc_collapse, initial_streams
-
 
 class Draft(NamedTuple):
     ids: torch.Tensor  # [B, block+1]: the given next token, then the drafted tokens
     logits: torch.Tensor  # [B, block, V] fp32, Markov bias included
     confidence: torch.Tensor  # [B, block] raw confidence scores (no sigmoid)
-
-
-def dspark_forward(model, block_ids: torch.Tensor, rotation: torch.Tensor,
-                   stage_window: Callable[[torch.nn.Module, torch.dtype], tuple[torch.Tensor, torch.Tensor]]
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The drafter's stages over blocks of tokens, shared by drafting and drafter training.
-
-    block_ids [N,K] at rotation [N,K,rope/2]; `stage_window(block, dtype)` gives each stage's window KV [N,L,hd]
-    and validity [N,L]. Returns the last stage's collapsed hidden state [N,K,D] and its head logits (no Markov
-    bias: drafting adds it token by token, training teacher-forced)."""
-    streams, pre_mix = initial_streams(model.model.embed(block_ids), model.config.text_config.hc_mult)
-    for block in model.model.mtp:
-        window_kv, window_valid = stage_window(block, streams.dtype)
-        streams, pre_mix, _, _ = block(streams, pre_mix, None, rotation, window_kv, window_valid)
-    hidden = hc_collapse(streams, pre_mix)
-    return hidden, model.lm_head(model.model.mtp[-1].norm(hidden))
 
 
 def dspark_draft(model, next_ids: torch.Tensor, cache,
@@ -44,24 +26,26 @@ def dspark_draft(model, next_ids: torch.Tensor, cache,
     the stages at positions p+1 .. p+block; the last stage's logits get the Markov bias of the token before
     each position, and `choose(logits, i)` (argmax by default) picks the drafted token i from them in order.
     """
-    text = model.config.text_config
+    drafter, text = model.dspark, model.config.text_config
     size = text.dspark_block_size
     last = cache.lengths - 1  # each row's last processed position
     block_ids = next_ids.new_full((next_ids.shape[0], size), text.dspark_noise_token_id)
     block_ids[:, 0] = next_ids
     positions = last.unsqueeze(1) + 1 + torch.arange(size, device=last.device)
-    rotation = model.model.rotary.angles(model.model.mtp[0].spec, positions)
-    hidden, logits = dspark_forward(model, block_ids, rotation, lambda block, dtype: cache.drafter_window(
-        block.spec.layer_id, last, text.sliding_window, dtype))
-    final = model.model.mtp[-1]
+
+    def stage_window(stage, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return cache.drafter_window(stage.spec.layer_id, last, text.sliding_window, dtype)  # the stage's ring
+
+    hidden = drafter(model.get_input_embeddings()(block_ids), drafter.rotation(positions), stage_window)
+    logits = drafter.logits(hidden, model.get_output_embeddings())
     choose = choose or (lambda scores, _: scores.argmax(dim=-1))
     ids, embeddings = [next_ids], []
     for i in range(size):
-        bias, embedding = final.markov_head(ids[-1])
+        bias, embedding = drafter.markov(ids[-1])
         logits[:, i] = logits[:, i] + bias
         embeddings.append(embedding)
         ids.append(choose(logits[:, i], i))
-    confidence = final.confidence_head(hidden, torch.stack(embeddings, dim=1))
+    confidence = drafter.confidence(hidden, torch.stack(embeddings, dim=1))
     return Draft(torch.stack(ids, dim=1), logits, confidence)
 
 

@@ -42,7 +42,7 @@ class DeepseekV41GenerationMixin(GenerationMixin):
     @property
     def has_dspark(self) -> bool:
         """Whether the DSpark drafter's weights (`mtp.*`) are part of this model."""
-        return len(self.model.mtp) > 0
+        return len(self.dspark) > 0
 
     def generate(self, *args, generation_stats: dict | None = None, cuda_graphs: bool = False, **kwargs):
         """transformers' generate(), plus DSpark speculative decoding: `use_dspark=True` (a generation-config
