@@ -13,9 +13,8 @@ FMT_DENSE = 0  # bf16/fp32 weight [N, K]
 FMT_FP8_TILE = 1  # e4m3 [N, K], E8M0 scale per 32x32 tile [ceil(N/32), ceil(K/32)]
 FMT_FP4_ROW = 2  # packed e2m1 [N, K/2] (even element in the low nibble), E8M0 scale per (row, 32) [N, K/32]
 FMT_FP8_ROW = 3  # e4m3 [N, K] re-encoded from FP4 (values exact), E8M0 scale per (row, 32) [N, K/32]
-
-FP8_MAX = 448.0
-INV_FP8_MAX = 1.0 / 448.0  # rounded to fp32 like torch.tensor(1 / 448, dtype=float32)
+# the same codes as compile-time constants, for the kernels' branches on their WFMT argument (the launches pass ints)
+DENSE, FP8_TILE, FP4_ROW = tl.constexpr(FMT_DENSE), tl.constexpr(FMT_FP8_TILE), tl.constexpr(FMT_FP4_ROW)
 
 
 @triton.jit
@@ -124,7 +123,7 @@ def k_slice(k0, WFMT: tl.constexpr):
     (even elements, odd elements) so that each half is one contiguous run of bytes; activations are read in the
     same order, so the dot is unchanged (a sum has no order beyond fp32 rounding)."""
     r = tl.arange(0, 32)
-    if WFMT == 2:
+    if WFMT == FP4_ROW:
         cols = k0 + (r % 16) * 2 + r // 16
     else:
         cols = k0 + r
@@ -136,12 +135,12 @@ def weight_scale(s_ptr, offs_n, k0, N, K, stride_sn, WFMT: tl.constexpr):
     """The scale [BN] of each weight row for the 32-wide slice at k0: E8M0 per 32x32 tile or per (row, 32); for
     packed FP4 times 2^6, undoing the 2^-6 of weight_slice's e4m3 encoding of the nibbles. A slice past K reads
     no scale (1.0): past the row lies another row's scale or unowned memory, and 0 x inf would be NaN."""
-    if WFMT == 1:
+    if WFMT == FP8_TILE:
         rows = offs_n // 32
     else:
         rows = offs_n
     scale = e8m0_value(s_ptr + rows * stride_sn + k0 // 32, (offs_n < N) & (offs_n * 0 + k0 < K))
-    if WFMT == 2:
+    if WFMT == FP4_ROW:
         scale = scale * 64.0
     return scale
 
@@ -153,7 +152,7 @@ def weight_slice(w_ptr, offs_n, k0, N, K, stride_wn, WFMT: tl.constexpr):
     value times 2^-6 for every code (normal and subnormal alike): exact, and four integer operations."""
     r = tl.arange(0, 32)
     mask = (offs_n < N)[:, None] & ((k0 + r)[None, :] < K)
-    if WFMT == 2:
+    if WFMT == FP4_ROW:
         # bytes k0/2 + (r % 16): the first 16 columns take the low nibbles (even k), the last 16 the high (odd k)
         byte = tl.load(w_ptr + offs_n[:, None] * stride_wn + (k0 // 2 + r % 16)[None, :], mask=mask, other=0)
         nibble = (byte.to(tl.int32) >> ((r // 16) * 4)[None, :]) & 15
@@ -180,9 +179,9 @@ def weight_tile(w_ptr, s_ptr, offs_n, k0, N, K, stride_wn, stride_sn, BK: tl.con
     c = tl.arange(0, BK)
     w = tl.load(w_ptr + offs_n[:, None] * stride_wn + (k0 + c)[None, :],
                 mask=row_ok[:, None] & ((k0 + c) < K)[None, :], other=0.0).to(tl.float32)
-    if WFMT != 0:
+    if WFMT != DENSE:
         groups = k0 // 32 + tl.arange(0, BK // 32)
-        scale_rows = offs_n // 32 if WFMT == 1 else offs_n
+        scale_rows = offs_n // 32 if WFMT == FP8_TILE else offs_n
         # groups past K read no scale (1.0): past the row lies another row's scale or unowned memory, 0 x inf = NaN
         scale = e8m0_value(s_ptr + scale_rows[:, None] * stride_sn + groups[None, :],
                            row_ok[:, None] & (groups * 32 < K)[None, :])
@@ -217,7 +216,7 @@ def dot_k_range(acc, w_ptr, s_ptr, x_ptr, xs_ptr, offs_n, rows, row_mask, k_star
                 else:
                     part = tl.dot(w, x)
                 acc += part * (ws[:, None] * xs[None, :])
-        elif WFMT == 2:  # packed FP4: BK/2 bytes per row at once, the even and the odd columns one dot each
+        elif WFMT == FP4_ROW:  # packed FP4: BK/2 bytes per row at once, the even and the odd columns one dot each
             half = tl.arange(0, BK // 2)
             row_ok = offs_n < N
             byte = tl.load(w_ptr + offs_n[:, None] * stride_wn + (k // 2 + half)[None, :],
