@@ -1,20 +1,10 @@
-"""Accelerator fast paths: small pure functions compiled into fused kernels on first use (decode is
-launch-bound on a GPU), and the predicate that sends the linears and the MoE to the Triton kernels. Compilation
-and the kernels are imported lazily, so importing the model never imports the compiler or triton."""
+"""The predicates that choose a formulation: the accelerator's fast paths (fewer, larger ops than the reference's
+loops) and the Triton kernels for the linears, the MoE and the fused decode ops. The kernels are imported lazily,
+so importing the model never imports triton."""
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-
 import torch
-
-
-@functools.cache
-def compiled(function: Callable) -> Callable:
-    """`function` compiled with dynamic shapes (once per function, on first use). Inductor keeps every bf16 rounding
-    the function writes (by default it fuses a bf16 round trip away: the probabilities' rounding the reference does)."""
-    return torch.compile(function, dynamic=True, options={"emulate_precision_casts": True})
 
 
 def fast_path(x: torch.Tensor) -> bool:

@@ -7,7 +7,7 @@ from torch.nn import functional as F
 
 from typing import NamedTuple
 
-from .dispatch import compiled, fast_path, kernel_path
+from .dispatch import fast_path, kernel_path
 from .numerics import compute_dtype, fp4_dequantize_rows, fp8_act_qdq, fp8_dequantize_rows
 from .rope import apply_rope_tail
 
@@ -26,7 +26,8 @@ def stable_topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 def _fused_sparse_attention(q: torch.Tensor, entries: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
                             softmax_scale: float) -> torch.Tensor:
-    """sparse_attention's blocked online softmax in closed form, for a compiler to fuse (the accelerator path).
+    """sparse_attention's blocked online softmax in closed form: a few large ops instead of a loop (the accelerator
+    path; run eagerly: Inductor's CUDA code for it moved the fixtures' logits by 0.10 rel. L2, eager by 0.008).
 
     The running max after each block of 64 entries is the cumulative max of the block maxima, so every block's
     probabilities (rounded to bf16 against it, as the reference does for bf16) and its rescale to the final max
@@ -62,7 +63,7 @@ def sparse_attention(q: torch.Tensor, entries: torch.Tensor, valid: torch.Tensor
     softmax runs instead.
     """
     if fast_path(q):
-        return compiled(_fused_sparse_attention)(q, entries, valid, sink, softmax_scale)
+        return _fused_sparse_attention(q, entries, valid, sink, softmax_scale)
     acc_dtype = compute_dtype(q)
     qf, kvf = q.to(acc_dtype), entries.to(acc_dtype) * valid.unsqueeze(-1)
     scale = torch.tensor(softmax_scale, dtype=acc_dtype)
