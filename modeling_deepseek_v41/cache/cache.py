@@ -188,28 +188,7 @@ class DeepseekV41Cache(KVAccessMixin, StaticDecodeMixin, Cache):
         self.lengths = self.lengths + (new_positions >= 0).sum(dim=1)
         self._max_length = self.chunk_max_length
 
-    # -- Cache API ------------------------------------------------------------------------------------------
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.columns
-
-    def get_max_length(self, layer_idx: int | None = None) -> int:
-        return -1
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
-        return self.columns + query_length, 0
-
-    @property
-    def is_compileable(self) -> bool:
-        return False
-
-    @property
-    def is_croppable(self) -> bool:
-        return True
-
-    @property
-    def batch_size(self) -> int:
-        return -1 if self.lengths is None else int(self.lengths.shape[0])
-
+    # -- transformers' Cache API (its per-layer queries are answered by the layer views) --------------------
     def crop(self, tokens_to_remove: int) -> None:
         """Forget the last `-tokens_to_remove` columns (transformers' convention: a negative count; 0 is a no-op).
 
