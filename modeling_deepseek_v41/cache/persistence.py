@@ -50,30 +50,14 @@ def save_cache(cache, path: str | os.PathLike, model) -> Path:
     if not cache.is_initialized or cache.columns == 0:
         raise ValueError("There is nothing to save: the cache is empty.")
     replay = min(cache.text_config.sliding_window, cache.columns)
-    real = cache._real.view(0, cache.columns)
-    history = cache.history
-    if bool(((history[:, -replay:] < 0) & real[:, -replay:]).any()):
+    # the Engram history is rebuilt from the token ids on restore (images and padding are dead), so per token
+    # only the id (int32) and the real-token flag are stored beside the global KV
+    tensors = cache.prefix_state()
+    if bool(((cache.history[:, -replay:] < 0) & tensors["real"][:, -replay:].bool()).any()):
         raise ValueError(
             f"The last {replay} tokens of the prefix include image positions; a saved prefix must end with at "
             "least sliding_window text tokens, because restoring replays them as text."
         )
-    # the Engram history is rebuilt from the token ids on restore (images and padding are dead), so per token
-    # only the id (int32) and the real-token flag are stored beside the global KV
-    tensors = {
-        "tokens": cache._tokens.view(0, cache.columns).to(torch.int32).contiguous(),
-        "real": real.to(torch.uint8).contiguous(),
-        "lengths": cache.lengths.contiguous(),
-    }
-    for source, pool in cache.pools.items():
-        rows = int((cache.lengths // pool.ratio).amax())
-        tensors[f"pool.{source}.kv_codes"] = pool.kv.codes[:, :rows].contiguous()
-        tensors[f"pool.{source}.kv_scales"] = pool.kv.scales[:, :rows].contiguous()
-        tensors[f"pool.{source}.key_codes"] = pool.keys.codes[:, :rows].contiguous()
-        tensors[f"pool.{source}.key_scales"] = pool.keys.scales[:, :rows].contiguous()
-        if pool.ratio > 1:
-            carry = pool.carry_at(cache.lengths) if pool.carry is None else pool.carry
-            tensors[f"pool.{source}.carry_kv"] = carry[0].contiguous()
-            tensors[f"pool.{source}.carry_score"] = carry[1].contiguous()
     tensors = {name: t.detach().cpu() for name, t in tensors.items()}
     metadata = {"format_version": FORMAT_VERSION, "columns": str(cache.columns), **fingerprint(model)}
     metadata["checksum"] = content_checksum(metadata, tensors)
@@ -124,32 +108,8 @@ def load_cache(cache_class, path: str | os.PathLike, model, dspark: bool, crop_h
         raise ValueError(f"{path} was saved from another model: {mismatch}. A prefix cache can only be restored "
                          "into the model (weights, tokenizer, config) that wrote it; save it again from this one.")
     cache = cache_class(model.config, crop_horizon=crop_horizon, dspark=dspark)
-    device = model.get_input_embeddings().weight.device
-    tokens = tensors["tokens"].to(device)
-    cache._allocate(tokens.shape[0], device, model.get_input_embeddings().weight.dtype)
-    cache.columns = int(metadata["columns"])
-    real = tensors["real"].to(device).bool()
-    tokens = tokens.long()
-    cache._tokens.write(0, tokens)
-    cache._history.write(0, compressed_history(model, tokens, real))
-    cache._real.write(0, real)
-    cache.lengths = tensors["lengths"].to(device)
-    for source, pool in cache.pools.items():
-        rows = tensors[f"pool.{source}.kv_codes"].shape[1]
-        for storage, kind in ((pool.kv, "kv"), (pool.keys, "key")):
-            storage.ensure_capacity(rows)
-            storage.codes[:, :rows] = tensors[f"pool.{source}.{kind}_codes"].to(device)
-            storage.scales[:, :rows] = tensors[f"pool.{source}.{kind}_scales"].to(device)
-        if pool.ratio > 1:
-            pool.carry = (tensors[f"pool.{source}.carry_kv"].to(device),
-                          tensors[f"pool.{source}.carry_score"].to(device))
-            # the carry's tokens also seed the raw history a later crop rebuilds carries from
-            group_start = (cache.lengths // pool.ratio) * pool.ratio
-            for slot in range(pool.ratio):
-                present = group_start + slot < cache.lengths
-                index = ((group_start + slot) % pool.recent_size)[present]
-                pool.recent_kv[present, index] = pool.carry[0][present, slot].to(pool.recent_kv.dtype)
-                pool.recent_score[present, index] = pool.carry[1][present, slot].to(pool.recent_score.dtype)
-    cache.pending_replay = True
-    cache.crop_floor = cache.columns  # nothing before the restore point can be rolled back exactly
+    embeddings = model.get_input_embeddings().weight
+    state = {name: t.to(embeddings.device) for name, t in tensors.items()}
+    cache.restore_prefix(state, compressed_history(model, state["tokens"].long(), state["real"].bool()),
+                         embeddings.dtype)
     return cache
