@@ -94,6 +94,11 @@ def test_two_plain_linears_of_one_input_are_one_kernel_call(kernel_calls):
         kernel_calls.clear()
         linear_pair(x, attn.wq_a, Doubled())
         assert kernel_calls == Counter(fp8_linear=2)
+        handle = attn.wkv.register_forward_hook(lambda module, args, out: None)  # accelerate's offload hooks too
+        kernel_calls.clear()
+        linear_pair(x, attn.wq_a, attn.wkv)
+        handle.remove()
+        assert kernel_calls == Counter(fp8_linear=2)
     kernel_calls.clear()
     linear_pair(x.requires_grad_(), attn.wq_a, attn.wkv)
     assert "linear_pair" not in kernel_calls

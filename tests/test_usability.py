@@ -68,6 +68,20 @@ def test_dspark_with_beam_search_is_refused(model):
         model.generate(ids, max_new_tokens=4, use_dspark=True, num_beams=2)
 
 
+def test_dspark_with_several_rows_is_refused_before_any_work(model):
+    """DSpark drafts one sequence: a batch of prompts (or several returned sequences) is refused with what to use
+    instead, before the prompt runs (a cache given to the call stays empty)."""
+    from modeling_deepseek_v41.cache import DeepseekV41Cache
+
+    cache = DeepseekV41Cache(model.config, dspark=True)
+    with pytest.raises(ValueError, match="once per prompt.*use_dspark=False"):
+        model.generate(torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]]), max_new_tokens=4, use_dspark=True, cache=cache)
+    assert cache.get_seq_length() == 0
+    with pytest.raises(ValueError, match="2 rows"):
+        model.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=4, use_dspark=True, do_sample=True,
+                       num_return_sequences=2)
+
+
 def test_unknown_cache_implementation_is_refused(model):
     ids = torch.tensor([[5, 6, 7, 8]])
     with pytest.raises(ValueError, match="cache_implementation"):

@@ -120,8 +120,15 @@ class DeepseekV41RMSNorm(nn.Module):
 def linear_pair(x: torch.Tensor, first: nn.Module, second: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """(first(x), second(x)) for two linears that read the same input (the query and KV down-projections, the
     shared expert's gate and up): one op for two plain DeepseekV41Linears of one storage (one launch on CUDA
-    inference); any other module, an adapter wrapping either, is called as it is."""
-    if (type(first) is DeepseekV41Linear and type(second) is DeepseekV41Linear and first.storage == second.storage
+    inference); any other module (an adapter wrapping either, a hooked or offloaded linear) is called as it is."""
+    if (_plain(first) and _plain(second) and first.storage == second.storage
             and not (first.training and torch.is_grad_enabled())):
         return stored_linear_pair(x, (first.weight, first.scale), (second.weight, second.scale), first.storage)
     return first(x), second(x)
+
+
+def _plain(module: nn.Module) -> bool:
+    """A DeepseekV41Linear whose call nothing wraps: no adapter around it, no accelerate hook replacing its forward
+    (offloaded weights arrive only through it), no forward hooks."""
+    return (type(module) is DeepseekV41Linear and "forward" not in module.__dict__ and not module._forward_hooks
+            and not module._forward_pre_hooks)

@@ -79,6 +79,15 @@ def check_generate_inputs(config, args: tuple, kwargs: dict) -> None:
     check_generate_cache(kwargs.get("cache", kwargs.get("past_key_values")), input_ids)
 
 
+def prompt_rows(args: tuple, kwargs: dict) -> int:
+    """The rows of generate()'s prompt (its ids or embeddings; 1 when transformers builds the prompt itself)."""
+    for prompt in (args[0] if args else None, kwargs.get("input_ids"), kwargs.get("inputs"),
+                   kwargs.get("inputs_embeds")):
+        if isinstance(prompt, torch.Tensor) and prompt.dim() >= 2:
+            return prompt.shape[0]
+    return 1
+
+
 def check_generate_cache(cache, input_ids: torch.Tensor | None) -> None:
     """A cache given to generate() is a DeepseekV41Cache, and the prompt extends the tokens it holds (the earlier
     turns' prompt and reply, then at least one new token)."""

@@ -13,9 +13,8 @@ FMT_DENSE = 0  # bf16/fp32 weight [N, K]
 FMT_FP8_TILE = 1  # e4m3 [N, K], E8M0 scale per 32x32 tile [ceil(N/32), ceil(K/32)]
 FMT_FP4_ROW = 2  # packed e2m1 [N, K/2] (even element in the low nibble), E8M0 scale per (row, 32) [N, K/32]
 FMT_FP8_ROW = 3  # e4m3 [N, K] re-encoded from FP4 (values exact), E8M0 scale per (row, 32) [N, K/32]
-
-FP8_MAX = 448.0
-INV_FP8_MAX = 1.0 / 448.0  # rounded to fp32 like torch.tensor(1 / 448, dtype=float32)
+# the same codes as compile-time constants, for the kernels' branches on their WFMT argument (the launches pass ints)
+DENSE, FP8_TILE, FP4_ROW = tl.constexpr(FMT_DENSE), tl.constexpr(FMT_FP8_TILE), tl.constexpr(FMT_FP4_ROW)
 
 
 @triton.jit
@@ -124,7 +123,7 @@ def k_slice(k0, WFMT: tl.constexpr):
     (even elements, odd elements) so that each half is one contiguous run of bytes; activations are read in the
     same order, so the dot is unchanged (a sum has no order beyond fp32 rounding)."""
     r = tl.arange(0, 32)
-    if WFMT == 2:
+    if WFMT == FP4_ROW:
         cols = k0 + (r % 16) * 2 + r // 16
     else:
         cols = k0 + r
@@ -136,12 +135,12 @@ def weight_scale(s_ptr, offs_n, k0, N, K, stride_sn, WFMT: tl.constexpr):
     """The scale [BN] of each weight row for the 32-wide slice at k0: E8M0 per 32x32 tile or per (row, 32); for
     packed FP4 times 2^6, undoing the 2^-6 of weight_slice's e4m3 encoding of the nibbles. A slice past K reads
     no scale (1.0): past the row lies another row's scale or unowned memory, and 0 x inf would be NaN."""
-    if WFMT == 1:
+    if WFMT == FP8_TILE:
         rows = offs_n // 32
     else:
         rows = offs_n
     scale = e8m0_value(s_ptr + rows * stride_sn + k0 // 32, (offs_n < N) & (offs_n * 0 + k0 < K))
-    if WFMT == 2:
+    if WFMT == FP4_ROW:
         scale = scale * 64.0
     return scale
 
@@ -153,7 +152,7 @@ def weight_slice(w_ptr, offs_n, k0, N, K, stride_wn, WFMT: tl.constexpr):
     value times 2^-6 for every code (normal and subnormal alike): exact, and four integer operations."""
     r = tl.arange(0, 32)
     mask = (offs_n < N)[:, None] & ((k0 + r)[None, :] < K)
-    if WFMT == 2:
+    if WFMT == FP4_ROW:
         # bytes k0/2 + (r % 16): the first 16 columns take the low nibbles (even k), the last 16 the high (odd k)
         byte = tl.load(w_ptr + offs_n[:, None] * stride_wn + (k0 // 2 + r % 16)[None, :], mask=mask, other=0)
         nibble = (byte.to(tl.int32) >> ((r // 16) * 4)[None, :]) & 15
@@ -180,9 +179,9 @@ def weight_tile(w_ptr, s_ptr, offs_n, k0, N, K, stride_wn, stride_sn, BK: tl.con
     c = tl.arange(0, BK)
     w = tl.load(w_ptr + offs_n[:, None] * stride_wn + (k0 + c)[None, :],
                 mask=row_ok[:, None] & ((k0 + c) < K)[None, :], other=0.0).to(tl.float32)
-    if WFMT != 0:
+    if WFMT != DENSE:
         groups = k0 // 32 + tl.arange(0, BK // 32)
-        scale_rows = offs_n // 32 if WFMT == 1 else offs_n
+        scale_rows = offs_n // 32 if WFMT == FP8_TILE else offs_n
         # groups past K read no scale (1.0): past the row lies another row's scale or unowned memory, 0 x inf = NaN
         scale = e8m0_value(s_ptr + scale_rows[:, None] * stride_sn + groups[None, :],
                            row_ok[:, None] & (groups * 32 < K)[None, :])
@@ -217,7 +216,7 @@ def dot_k_range(acc, w_ptr, s_ptr, x_ptr, xs_ptr, offs_n, rows, row_mask, k_star
                 else:
                     part = tl.dot(w, x)
                 acc += part * (ws[:, None] * xs[None, :])
-        elif WFMT == 2:  # packed FP4: BK/2 bytes per row at once, the even and the odd columns one dot each
+        elif WFMT == FP4_ROW:  # packed FP4: BK/2 bytes per row at once, the even and the odd columns one dot each
             half = tl.arange(0, BK // 2)
             row_ok = offs_n < N
             byte = tl.load(w_ptr + offs_n[:, None] * stride_wn + (k // 2 + half)[None, :],
@@ -288,43 +287,85 @@ def sum_partials(part_ptr, offs, mask, splits, stride_split):
     return total
 
 
+# one int32 word of packed e2m1 (element i in nibble i) -> its 8 values x 2^-6 as fp16: each nibble s|e1 e0|m
+# becomes the e4m3 byte s|0 0 e1 e0|m 0 0 (integer operations on 4 nibbles at a time), then the hardware's
+# e4m3x2 -> f16x2 conversion; outputs in element order
+_FP4_WORD_ASM = tl.constexpr("""
+{
+.reg .b32 e, o, t, e01, e23, o01, o23;
+.reg .b16 h0, h1, g0, g1;
+shl.b32 e, $8, 4;
+shl.b32 t, $8, 2;
+and.b32 t, t, 0x1C1C1C1C;
+lop3.b32 e, e, 0x80808080, t, 0xEA;
+shr.u32 t, $8, 2;
+and.b32 t, t, 0x1C1C1C1C;
+lop3.b32 o, $8, 0x80808080, t, 0xEA;
+mov.b32 {h0, h1}, e;
+mov.b32 {g0, g1}, o;
+cvt.rn.f16x2.e4m3x2 e01, h0;
+cvt.rn.f16x2.e4m3x2 e23, h1;
+cvt.rn.f16x2.e4m3x2 o01, g0;
+cvt.rn.f16x2.e4m3x2 o23, g1;
+mov.b32 {$0, $2}, e01;
+mov.b32 {$4, $6}, e23;
+mov.b32 {$1, $3}, o01;
+mov.b32 {$5, $7}, o23;
+}
+""")
+
+
 @triton.jit
-def pair_order(cols):
-    """Where column `cols` of a row is stored in the pair order of an FP4 dot's activations: within each 32-wide
-    group its 16 even elements first, then its 16 odd ones, the order of a packed FP4 slice's low and high nibbles."""
-    r = cols % 32
-    return cols - r + (r % 2) * 16 + r // 2
+def fp4_nibble_value(word, i: tl.constexpr):
+    """Nibble i of each int32 word of packed e2m1 as its value x 2^-6 in fp32 (the e4m3 byte s|0 0 e1 e0|m 0 0),
+    what the PTX above computes, for the interpreter, which runs no PTX."""
+    nibble = (word >> (4 * i)) & 15
+    code = (((nibble & 8) << 4) | ((nibble & 7) << 2)).to(tl.uint8)
+    return code.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def fp4_word_values(word, IEEE: tl.constexpr):
+    """[R, W] int32 words of packed e2m1 -> [R, 8W] values x 2^-6 in element order (element 8w + i is nibble i of
+    word w): fp16 from the PTX above, or in the interpreter the same values in fp32."""
+    if IEEE:
+        v0, v1, v2, v3 = fp4_nibble_value(word, 0), fp4_nibble_value(word, 1), fp4_nibble_value(word, 2), \
+            fp4_nibble_value(word, 3)
+        v4, v5, v6, v7 = fp4_nibble_value(word, 4), fp4_nibble_value(word, 5), fp4_nibble_value(word, 6), \
+            fp4_nibble_value(word, 7)
+    else:
+        v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
+            _FP4_WORD_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r", [word], (tl.float16,) * 8, True, 1)
+    # tl.join adds its pair as the last (fastest) axis: the outermost join splits even from odd elements
+    values = tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)), tl.join(tl.join(v1, v5), tl.join(v3, v7)))
+    return tl.reshape(values, [word.shape[0], word.shape[1] * 8])
 
 
 @triton.jit
 def fp4_f16_dot_k_range(acc, w_ptr, s_ptr, x_ptr, xs_ptr, offs_n, rows, row_mask, k_start, k_stop, N, K,
                         stride_wn, stride_sn, stride_xm, stride_xsm, BK: tl.constexpr, IEEE: tl.constexpr):
     """acc[BN, BM] += W[offs_n, k_start:k_stop] @ X[rows, k_start:k_stop]^T for packed FP4 weights, exactly, with
-    few integer operations per weight: each nibble s|e1 e0|m becomes the fp16 bits s|0 0 0 e1 e0|m 0..0, whose value
-    is the e2m1 value times 2^-14 for every code (subnormal for e = 0), and x arrives as its e4m3 values (x_ptr, in
-    pair_order) with fp32 power-of-two scales per row and 32 (xs_ptr). fp16 products of both are exact in fp32; each
-    32-column slice's two dots (even and odd elements) are scaled by 2^14 x the weight's and the row's scale."""
-    half = tl.arange(0, 16)
+    few operations per weight: w_ptr views the packed bytes as int32 words (stride_wn in words), each 32-column
+    slice's four words per row become fp16 values x 2^-6 (fp4_word_values), and x arrives as its e4m3 values in
+    fp16 (x_ptr) with fp32 power-of-two scales per row and 32 (xs_ptr). fp16 products of both are exact in fp32;
+    each slice's dot is scaled by 2^6 x the weight's and the row's scale."""
+    quad = tl.arange(0, 4)
+    cols = tl.arange(0, 32)
     row_ok = offs_n < N
+    w_rows = w_ptr + offs_n[:, None] * stride_wn + quad[None, :]
+    x_rows = x_ptr + rows[None, :] * stride_xm + cols[:, None]
     for k in range(k_start, k_stop, BK):
         for j in tl.static_range(BK // 32):
-            k0 = k + j * 32
-            live = (half * 0 + k0) < K  # K is a multiple of 32: a slice is wholly inside or past the end
-            byte = tl.load(w_ptr + offs_n[:, None] * stride_wn + tl.multiple_of(k0 // 2, 16) + half[None, :],
-                           mask=row_ok[:, None] & live[None, :], other=0).to(tl.int32)
-            even = (((byte & 8) << 12) | ((byte & 7) << 9)).to(tl.int16).to(tl.float16, bitcast=True)
-            odd = (((byte & 0x80) << 8) | ((byte & 0x70) << 5)).to(tl.int16).to(tl.float16, bitcast=True)
-            x_cols = tl.multiple_of(k0, 32) + half
-            x_mask = row_mask[None, :] & live[:, None]
-            x_even = tl.load(x_ptr + rows[None, :] * stride_xm + x_cols[:, None], mask=x_mask, other=0.0)
-            x_odd = tl.load(x_ptr + rows[None, :] * stride_xm + (x_cols + 16)[:, None], mask=x_mask, other=0.0)
-            ws = 16384.0 * e8m0_value(s_ptr + offs_n * stride_sn + k0 // 32, row_ok & (offs_n * 0 + k0 < K))
+            k0 = tl.multiple_of(k + j * 32, 32)
+            live = (quad * 0 + k0) < K  # K is a multiple of 32: a slice is wholly inside or past the end
+            word = tl.load(w_rows + k0 // 8, mask=row_ok[:, None] & live[None, :], other=0)
+            w = fp4_word_values(word, IEEE)
+            x = tl.load(x_rows + k0, mask=row_mask[None, :] & (cols * 0 + k0 < K)[:, None], other=0.0)
+            ws = 64.0 * e8m0_value(s_ptr + offs_n * stride_sn + k0 // 32, row_ok & (offs_n * 0 + k0 < K))
             xs = tl.load(xs_ptr + rows * stride_xsm + k0 // 32, mask=row_mask & (rows * 0 + k0 < K), other=1.0)
             if IEEE:  # the interpreter: the same values in fp32
-                part = tl.dot(even.to(tl.float32), x_even.to(tl.float32), input_precision="ieee")
-                part = tl.dot(odd.to(tl.float32), x_odd.to(tl.float32), part, input_precision="ieee")
+                part = tl.dot(w, x.to(tl.float32), input_precision="ieee")
             else:
-                part = tl.dot(even, x_even.to(tl.float16))
-                part = tl.dot(odd, x_odd.to(tl.float16), part)
+                part = tl.dot(w, x)
             acc += part * (ws[:, None] * xs[None, :])
     return acc

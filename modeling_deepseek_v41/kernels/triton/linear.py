@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (FMT_DENSE, FMT_FP4_ROW, FMT_FP8_ROW, FMT_FP8_TILE, arrive_last, cast, dot_k_range, k_slice,
-                     sum_partials, weight_scale, weight_slice)
+from .common import (FMT_DENSE, FMT_FP4_ROW, FMT_FP8_ROW, FMT_FP8_TILE, FP8_TILE, arrive_last, cast, dot_k_range,
+                     k_slice, sum_partials, weight_scale, weight_slice)
 from .quant import fp8_act_qdq, fp8_act_quant
 from .fp32_rows import fp32_rows_linear
 from .workspace import split_buffers
@@ -68,7 +68,7 @@ def _linear_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M,
     row_mask = rows < M
     k_start = pid_s * k_chunk
     k_stop = tl.minimum(k_start + k_chunk, K)
-    scale_rows = g * N // 32 if WFMT == 1 else g * N  # a group's first scale row: 32x32 tiles or one per row
+    scale_rows = g * N // 32 if WFMT == FP8_TILE else g * N  # a group's first scale row: 32x32 tiles or one per row
     acc = tl.full([BN, BM], 0.0, tl.float32)
     acc = dot_k_range(acc, w_ptr + g * N * stride_wn, s_ptr + scale_rows * stride_sn, x_ptr + g * K,
                       xs_ptr + g * (K // 32), offs_n, rows, row_mask, k_start, k_stop, N, K, stride_wn, stride_sn,

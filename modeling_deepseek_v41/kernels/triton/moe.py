@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .common import (FMT_DENSE, FMT_FP4_ROW, FMT_FP8_ROW, abs_max, arrive_last, cast, dot_k_range,
-                     fp4_f16_dot_k_range, pair_order, pow2_ceil_scale, round_e4m3, sum_partials)
+                     fp4_f16_dot_k_range, pow2_ceil_scale, round_e4m3, sum_partials)
 from .linear import _TL_DTYPES, dot_dtype_for, launch_tile
 from .workspace import split_buffers
 from .moe_schedule import moe_schedule
@@ -45,7 +45,8 @@ def _swiglu_store(gate, up, route_ptr, h_ptr, hs_ptr, sorted_rows, mask, pair, o
                   HAS_LIMIT: tl.constexpr, QDQ_OUT: tl.constexpr, FP8_DOT: tl.constexpr, F16: tl.constexpr):
     """h = route weight * silu(gate) * up with the reference's roundings and clamps. QDQ_OUT (quantized experts): h's
     FP8 activation quantization per 32 along N (the tile holds whole groups), stored as its exact bf16 values, or
-    for FP8_DOT and F16 as the e4m3 values and their scales (the down projection's operands; F16 in pair order)."""
+    for FP8_DOT and F16 as the e4m3 values (in h's dtype: e4m3, or fp16 for F16) and their scales (the down
+    projection's operands)."""
     gate = cast(gate, ROUND_DTYPE).to(tl.float32)
     up = cast(up, ROUND_DTYPE).to(tl.float32)
     if HAS_LIMIT:
@@ -60,7 +61,7 @@ def _swiglu_store(gate, up, route_ptr, h_ptr, hs_ptr, sorted_rows, mask, pair, o
         scale = pow2_ceil_scale(amax)
         q = round_e4m3(tl.minimum(tl.maximum(groups / scale[:, None, :], -448.0), 448.0))
         if FP8_DOT or F16:
-            h = tl.reshape(q, [BN, BM]).to(tl.float8e4nv)
+            h = tl.reshape(q, [BN, BM]).to(h_ptr.dtype.element_ty)
             group = tl.program_id(1) * (BN // 32) + tl.arange(0, BN // 32)
             tl.store(hs_ptr + sorted_rows[None, :] * stride_hsm + group[:, None], scale,
                      mask=mask[None, :] & (group[:, None] * 32 < N))
@@ -68,10 +69,7 @@ def _swiglu_store(gate, up, route_ptr, h_ptr, hs_ptr, sorted_rows, mask, pair, o
             h = cast(tl.reshape(q * scale[:, None, :], [BN, BM]), h_ptr.dtype.element_ty)
     else:
         h = cast(h, h_ptr.dtype.element_ty)
-    cols = offs_n
-    if F16:
-        cols = pair_order(offs_n)
-    tl.store(h_ptr + sorted_rows[None, :] * stride_hm + cols[:, None], h, mask=mask[None, :] & (offs_n[:, None] < N))
+    tl.store(h_ptr + sorted_rows[None, :] * stride_hm + offs_n[:, None], h, mask=mask[None, :] & (offs_n[:, None] < N))
 
 
 @triton.jit
@@ -196,8 +194,9 @@ def grouped_moe(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
     Quantized experts: exact bf16 dots on weight tiles dequantized in registers (W4A16 with the QDQ'd activations:
     the emulation's numbers up to fp32 summation order). fp8_dot=True: FP8 tensor cores (W4A8; e4m3 h and its
     scales between the kernels), Hopper's FP8 dots summing below fp32 precision.
-    f16_slices (default: packed FP4 experts in the decode regime): the same exact numbers from fewer integer
-    operations per weight (common.fp4_f16_dot_k_range; e4m3 activations and h with their scales, in pair order).
+    f16_slices (default: packed FP4 experts in the decode regime): the same exact numbers from fewer operations per
+    weight (common.fp4_f16_dot_k_range: the weights read as int32 words, e4m3 activations and h as fp16 values with
+    their scales).
     `tile`/`k_chunks` override the regime's tiling and decode splits (benchmarks only)."""
     if tokens.dim() != 2 or experts.dim() != 2 or experts.shape[0] != tokens.shape[0]:
         raise ValueError(f"grouped_moe takes tokens [T, D] and experts [T, k]; got {tuple(tokens.shape)} and "
@@ -228,13 +227,14 @@ def grouped_moe(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
     pairs = t * top_k
     x, xs, hs = tokens.contiguous(), None, None
     if fp8_dot or f16_slices:
-        x, xs = fp8_act_quant(tokens, pairs=f16_slices)
+        x, xs = fp8_act_quant(tokens, torch.float16 if f16_slices else torch.float8_e4m3fn)
         hs = torch.empty(pairs, inter // 32, dtype=torch.float32, device=tokens.device)
     elif quantized:
         x = fp8_act_qdq(tokens, torch.bfloat16)
     dot_dtype, round_dtype = (torch.bfloat16, act_dtype) if quantized else (w1.dtype, w1.dtype)
     # h is rounded to the activation dtype; once QDQ'd (quantized experts) it is exact in bf16
-    h_dtype = torch.float8_e4m3fn if fp8_dot or f16_slices else torch.bfloat16 if quantized else act_dtype
+    h_dtype = torch.float8_e4m3fn if fp8_dot else torch.float16 if f16_slices else \
+        torch.bfloat16 if quantized else act_dtype
     h = torch.empty(pairs, inter, dtype=h_dtype, device=tokens.device)
     x_dtype = dot_dtype
     dot_dtype = dot_dtype_for(tokens.device, dot_dtype)
@@ -244,6 +244,8 @@ def grouped_moe(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
                   BM=tile["BM"], BK=tile["BK"], num_warps=launched["num_warps"], num_stages=launched["num_stages"])
     route = weights.reshape(-1).to(torch.float32).contiguous()
     nb = block_expert.shape[0]
+    if f16_slices:  # the packed bytes as int32 words (common.fp4_f16_dot_k_range)
+        w1, w3, w2 = (w.view(torch.int32) for w in (w1, w3, w2))
     s1_arg, s_e, s_n = _scale_args(s1, w1)
     s3_arg, _, _ = _scale_args(s3, w3)
     xs_arg, hs_arg = (x, h) if xs is None else (xs, hs)

@@ -7,17 +7,18 @@ import triton
 import triton.language as tl
 
 from ..numerics import WEIGHT_BLOCK
-from .common import abs_max, e2m1_value, pair_order, pow2_ceil_scale, round_e4m3
+from .common import abs_max, e2m1_value, pow2_ceil_scale, round_e4m3
 
 GROUP = WEIGHT_BLOCK  # the FP8 activation QDQ's groups along a row
 
 
 @triton.jit
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, n_groups, groups_per_row, stride_xm, stride_qm, stride_sm,
-                      GROUPS: tl.constexpr, QDQ: tl.constexpr, PAIRS: tl.constexpr):
+                      GROUPS: tl.constexpr, QDQ: tl.constexpr):
     """Per row, per 32 values: scale 2^ceil(log2(max(amax, 1e-4) / 448)), values rounded to e4m3 (saturating).
     A program takes GROUPS consecutive groups of the flattened [rows, K/32] grid. QDQ: write the dequantized
-    values (exact in bf16) to q; otherwise e4m3 to q (PAIRS: in common.pair_order) and fp32 scales to s."""
+    values (exact in bf16) to q; otherwise the e4m3 values to q (in q's dtype: e4m3, or fp16, which holds them
+    exactly) and fp32 scales to s."""
     g = tl.program_id(0) * GROUPS + tl.arange(0, GROUPS)
     valid = g < n_groups
     row = g // groups_per_row
@@ -28,13 +29,11 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, n_groups, groups_per_row, stride_xm, 
     amax = tl.maximum(abs_max(x, 1), 1e-4)
     scale = pow2_ceil_scale(amax)
     q = round_e4m3(tl.minimum(tl.maximum(x / scale[:, None], -448.0), 448.0))
-    if PAIRS:
-        lane = pair_order(lane)
     q_ptrs = q_ptr + (row * stride_qm + col0)[:, None] + lane
     if QDQ:
         tl.store(q_ptrs, (q * scale[:, None]).to(q_ptr.dtype.element_ty), mask=mask)
     else:
-        tl.store(q_ptrs, q.to(tl.float8e4nv), mask=mask)
+        tl.store(q_ptrs, q.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(s_ptr + row * stride_sm + col0 // 32, scale, mask=valid)
 
 
@@ -56,21 +55,22 @@ def fp8_act_qdq(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tens
     n_groups = rows.numel() // GROUP
     grid = (triton.cdiv(n_groups, GROUPS_PER_PROGRAM),)
     _act_quant_kernel[grid](rows, out, out, n_groups, rows.shape[1] // GROUP, rows.stride(0), out.stride(0), 0,
-                            GROUPS=GROUPS_PER_PROGRAM, QDQ=True, PAIRS=False)
+                            GROUPS=GROUPS_PER_PROGRAM, QDQ=True)
     return out.view(*x.shape[:-1], x.shape[-1])
 
 
-def fp8_act_quant(x: torch.Tensor, pairs: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (e4m3 values [M, K], fp32 power-of-two scales [M, K/32]), the operands of an FP8 dot; pairs:
-    the values of each 32-wide group in common.pair_order (the operand of common.fp4_f16_dot_k_range)."""
+def fp8_act_quant(x: torch.Tensor, values_dtype: torch.dtype = torch.float8_e4m3fn
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 values [M, K] in values_dtype, fp32 power-of-two scales [M, K/32]), the operands of an FP8
+    dot (values_dtype e4m3) or of the FP4 experts' fp16 dots (values_dtype fp16: the e4m3 values exactly)."""
     rows = _check_act(x)
     m, k = rows.shape
-    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    q = torch.empty(m, k, dtype=values_dtype, device=x.device)
     s = torch.empty(m, k // GROUP, dtype=torch.float32, device=x.device)
     n_groups = m * k // GROUP
     _act_quant_kernel[(triton.cdiv(n_groups, GROUPS_PER_PROGRAM),)](
         rows, q, s, n_groups, k // GROUP, rows.stride(0), q.stride(0), s.stride(0), GROUPS=GROUPS_PER_PROGRAM,
-        QDQ=False, PAIRS=pairs)
+        QDQ=False)
     return q, s
 
 

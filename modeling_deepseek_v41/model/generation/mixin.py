@@ -17,7 +17,7 @@ from transformers import GenerationMixin
 
 from ...cache.cache import DeepseekV41Cache
 from ...layers.vision import TOKEN_TYPE_IMAGE_START, TOKEN_TYPE_TEXT
-from ..inputs import check_generate_inputs
+from ..inputs import check_generate_inputs, prompt_rows
 from .dspark import DSparkCandidateGenerator, dspark_generation_config
 from .graph_decoder import GenerationGraphs, check_graph_decoding
 from .invalid_logits import with_invalid_logits_check
@@ -70,6 +70,12 @@ class DeepseekV41GenerationMixin(GenerationMixin):
         if getattr(config, "use_dspark", False) and (config.num_beams or 1) > 1:
             raise ValueError("use_dspark=True drafts for one greedy or sampled sequence; it cannot be combined with "
                              "beam search: pass num_beams=1, or use_dspark=False for beam search.")
+        rows = prompt_rows(args, kwargs) * (getattr(config, "num_return_sequences", None) or 1)
+        if getattr(config, "use_dspark", False) and rows > 1:
+            raise ValueError(f"use_dspark=True drafts for one sequence at a time (per-row acceptance is not built); "
+                             f"this call would decode {rows} rows. Call generate() once per prompt with "
+                             "use_dspark=True, or decode the batch together with use_dspark=False (cuda_graphs=True "
+                             "replays its one-token steps for any batch size).")
         cuda_graphs = self._resolve_cache_implementation(implementation, kwargs) or cuda_graphs
         if cuda_graphs:
             check_graph_decoding(self)
