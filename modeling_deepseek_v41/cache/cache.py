@@ -1,7 +1,6 @@
-"""DeepseekV41Cache: the shared CSA2 pools (packed FP4 KV and index keys), per-layer FP8 window rings, ratio-r
-carries and the Engram token history, with crop, beam reordering and byte accounting. It owns its parts as
-objects (a `ColumnLog`, a `Pool` per KV source, a `Ring` per layer), which static decode fixes in place; a
-forward reaches them through its `CacheStore` (`cache_store.py`), the store protocol of `layers/kv_store.py`."""
+"""DeepseekV41Cache: the state between forward calls, as parts it owns (`parts.py`), with crop, row selection,
+static decode, persistence and byte accounting; a forward reaches the parts through its `CacheStore`
+(`cache_store.py`), the store protocol of `layers/kv_store.py`."""
 
 from __future__ import annotations
 
@@ -12,12 +11,12 @@ from .chunk import check_crop, check_make_static
 from .columns import ColumnLog
 from .fingerprint import cache_signature
 from .layer_view import DeepseekV41LayerView
+from .parts import allocate_parts, parts_nbytes
 from .persistence import load_cache, save_cache
 from .pool import Pool
 from .ring import Ring
 from .row_indices import check_row_indices
 from ..config.layer_plan import LayerPlan
-from ..kernels.numerics import compute_dtype
 
 DEFAULT_CROP_HORIZON = 64
 
@@ -51,7 +50,6 @@ class DeepseekV41Cache(Cache):
         self.rings: dict[int, Ring] = {}
         self.pending_replay = False  # a restored cache replays its last window of tokens on the next forward
         self.crop_floor = 0  # a restored cache cannot roll back past its restore point
-        self.static_limit = 0  # the columns a static cache has room for
 
     @property
     def is_initialized(self) -> bool:
@@ -85,9 +83,9 @@ class DeepseekV41Cache(Cache):
     def prepare_rows(self, batch: int, device: torch.device, model_dtype: torch.dtype) -> None:
         """Allocate every part for `batch` rows on the first forward; later forwards must bring as many rows."""
         if self.log is None:
-            self.log = ColumnLog(batch, device)
             specs = self.plan.layers + (self.plan.dspark_layers if self.dspark else ())
-            self.rings, self.pools = build_parts(specs, self.text_config, self.crop_horizon, batch, device, model_dtype)
+            self.log, self.rings, self.pools = allocate_parts(specs, self.text_config, self.crop_horizon, batch,
+                                                              device, model_dtype)
         if self.lengths.shape[0] != batch:
             raise ValueError(f"The cache holds {self.lengths.shape[0]} rows but the input has {batch}.")
 
@@ -151,12 +149,12 @@ class DeepseekV41Cache(Cache):
         check_make_static(self, columns)
         for part in (self.log, *self.pools.values(), *self.rings.values()):
             part.fix(columns)
-        self.static_limit = columns
 
     def end_static(self) -> None:
         """Back to growing buffers (any forward is allowed again)."""
-        for part in (*self.pools.values(), *self.rings.values(), *([self.log] if self.log else [])):
-            part.unfix()
+        if self.is_initialized:
+            for part in (self.log, *self.pools.values(), *self.rings.values()):
+                part.unfix()
 
     # -- persistence ----------------------------------------------------------------------------------------
     def save(self, path, model) -> "Path":
@@ -169,30 +167,16 @@ class DeepseekV41Cache(Cache):
         rebuild the windows (bounded replay), then runs the new tokens."""
         return load_cache(cls, path, model, dspark=dspark, crop_horizon=crop_horizon or DEFAULT_CROP_HORIZON)
 
-    def prefix_state(self) -> dict[str, torch.Tensor]:
-        """What `save` writes: token ids, real-token flags, per-row lengths and every pool's packed rows, index
-        keys and carry (`pool.{source}.{part}`)."""
-        state = self.log.saved()
-        for source, pool in self.pools.items():
-            state.update({f"pool.{source}.{name}": t for name, t in pool.saved(self.lengths).items()})
-        return state
-
-    def restore_prefix(self, state: dict[str, torch.Tensor], history: torch.Tensor, model_dtype: torch.dtype
-                       ) -> None:
-        """Fill this new cache from `prefix_state`'s tensors (on the model's device) and their Engram history; its
-        next forward first replays the last `sliding_window` tokens to rebuild the windows."""
-        self.prepare_rows(state["tokens"].shape[0], state["tokens"].device, model_dtype)
-        self.log.restore(state["tokens"].long(), state["real"].bool(), history, state["lengths"])
-        for source, pool in self.pools.items():
-            prefix = f"pool.{source}."
-            pool.restore({k[len(prefix):]: t for k, t in state.items() if k.startswith(prefix)}, self.lengths)
+    def mark_restored(self) -> None:
+        """This cache was just filled from a saved prefix (`persistence.py`, through its parts' `restore`): its next
+        forward first replays the last `sliding_window` tokens to rebuild the windows, and no crop reaches back
+        past this point."""
         self.pending_replay = True
-        self.crop_floor = self.columns  # nothing before the restore point can be rolled back exactly
+        self.crop_floor = self.columns
 
     def check_extends(self, input_ids: torch.Tensor) -> None:
         """A restored prefix continues only with inputs that start with its saved tokens."""
-        saved = self.log.tokens.view(0, self.columns)
-        if input_ids.shape[1] < self.columns or not torch.equal(input_ids[:, : self.columns].to(saved.device), saved):
+        if not self.log.is_prefix_of(input_ids):
             raise ValueError(
                 f"The input does not extend the restored prefix: its first {self.columns} tokens must equal the "
                 "saved ones (pass the full sequence, prefix then suffix, to generate())."
@@ -202,11 +186,7 @@ class DeepseekV41Cache(Cache):
     def nbytes_by_component(self) -> dict[str, int]:
         """Bytes in use: the compressed pools and index keys (global KV), the window rings (as allocated), the
         carries and recent raw tokens kept for cropping, and the Engram history."""
-        if not self.is_initialized:
-            return {"global_kv": 0, "window": 0, "carry": 0, "engram_history": 0}
-        pools = [pool.nbytes(self.lengths) for pool in self.pools.values()]
-        return {"global_kv": sum(kv for kv, _ in pools), "window": sum(r.rows.nbytes for r in self.rings.values()),
-                "carry": sum(carry for _, carry in pools), "engram_history": self.log.history_bytes()}
+        return parts_nbytes(self.log, self.pools, self.rings)
 
     def global_bytes_per_token(self) -> float:
         """Global (compressed) KV bytes per token of a row, averaged over rows."""
@@ -217,15 +197,3 @@ class DeepseekV41Cache(Cache):
         return (f"DeepseekV41Cache(columns={self.columns}, pools={sorted(self.pools)}, "
                 f"rings={len(self.rings)}, bytes={self.nbytes_by_component()})")
 
-
-def build_parts(specs, text_config, crop_horizon: int, batch: int, device: torch.device, model_dtype: torch.dtype
-                ) -> tuple[dict[int, Ring], dict[int, Pool]]:
-    """A window ring for every layer in `specs`, a pool for every pool owner among them."""
-    projection_dtype = compute_dtype(model_dtype)  # the compressor's fp32 (or float64) projections
-    rings, pools = {}, {}
-    for spec in specs:
-        rings[spec.layer_id] = Ring(text_config.sliding_window + crop_horizon, text_config.head_dim, batch, device)
-        if spec.owns_pool:
-            pools[spec.layer_id] = Pool(spec.ratio, text_config.head_dim, text_config.index_head_dim, batch,
-                                        crop_horizon, device, projection_dtype)
-    return rings, pools

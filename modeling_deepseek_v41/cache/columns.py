@@ -51,6 +51,7 @@ class ColumnLog:
         self.columns = 0
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # [B] real tokens per row
         self.cursor: torch.Tensor | None = None  # [1, 1] the column count on the device while fixed
+        self.limit = 0  # the columns a fixed log has room for
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -72,6 +73,7 @@ class ColumnLog:
         """Reserve `capacity` columns and write the next ones at a column counter on the device."""
         for record in (self.history, self.real, self.tokens):
             record.reserve(capacity)
+        self.limit = capacity
         self.cursor = torch.full((1, 1), self.columns, dtype=torch.long, device=self.tokens.buffer.device)
         self._max_length = self.max_length  # read back here, once: static steps advance it on the host
 
@@ -127,6 +129,12 @@ class ColumnLog:
         real = self.real.view(0, self.columns)
         positions = torch.where(real, real.long().cumsum(-1) - 1, -1)[:, self.columns - count:]
         return self.tokens.view(self.columns - count, self.columns), positions
+
+    def is_prefix_of(self, input_ids: torch.Tensor) -> bool:
+        """Whether every row of `input_ids` [B, S] starts with this log's token ids."""
+        logged = self.tokens.view(0, self.columns)
+        return input_ids.shape[1] >= self.columns and torch.equal(input_ids[:, : self.columns].to(logged.device),
+                                                                  logged)
 
     def saved(self) -> dict[str, torch.Tensor]:
         """What a saved prefix keeps per column and row: token ids (int32), real-token flags (uint8), lengths."""

@@ -3,7 +3,9 @@
 Only what the CED design keeps on SSD is stored: the packed global KV (compressed rows and index keys of every
 pool), the ratio-r carries and the token ids (from which the Engram history is rebuilt), with a format version, the
 fingerprint of what they depend on (`fingerprint.py`) and one sha256 over header and payload. Window KV is not
-stored: a restored cache rebuilds it by bounded replay of the last `sliding_window` tokens on its next forward (those tokens never rewrite the pools).
+stored: a restored cache rebuilds it by bounded replay of the last `sliding_window` tokens on its next forward
+(those tokens never rewrite the pools). The file's tensor names are this module's; what each part keeps and how it
+is filled again are the parts' public `saved` and `restore` (the cache's `log`, each of its `pools`).
 """
 
 from __future__ import annotations
@@ -45,6 +47,28 @@ def compressed_history(model, tokens: torch.Tensor, real: torch.Tensor) -> torch
     return model.base_model.engram_token_map[tokens].masked_fill(dead, DEAD)
 
 
+def prefix_tensors(cache) -> dict[str, torch.Tensor]:
+    """The tensors a saved prefix holds: the log's token ids, real-token flags and lengths, and every pool's packed
+    rows, index keys and carry (named `pool.{source}.{part}`)."""
+    tensors = cache.log.saved()
+    for source, pool in cache.pools.items():
+        tensors.update({f"pool.{source}.{name}": t for name, t in pool.saved(cache.lengths).items()})
+    return tensors
+
+
+def restore_prefix(cache, tensors: dict[str, torch.Tensor], history: torch.Tensor, model_dtype: torch.dtype
+                   ) -> None:
+    """Fill the new `cache` from `prefix_tensors`' tensors (on the model's device) and their Engram history."""
+    tokens = tensors["tokens"]
+    cache.prepare_rows(tokens.shape[0], tokens.device, model_dtype)
+    cache.log.restore(tokens.long(), tensors["real"].bool(), history, tensors["lengths"])
+    for source, pool in cache.pools.items():
+        prefix = f"pool.{source}."
+        pool.restore({name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix)},
+                     cache.lengths)
+    cache.mark_restored()
+
+
 def save_cache(cache, path: str | os.PathLike, model) -> Path:
     """Write `cache` to `path` atomically (a temporary file in the same folder, then a rename)."""
     if not cache.is_initialized or cache.columns == 0:
@@ -52,7 +76,7 @@ def save_cache(cache, path: str | os.PathLike, model) -> Path:
     replay = min(cache.text_config.sliding_window, cache.columns)
     # the Engram history is rebuilt from the token ids on restore (images and padding are dead), so per token
     # only the id (int32) and the real-token flag are stored beside the global KV
-    tensors = cache.prefix_state()
+    tensors = prefix_tensors(cache)
     if bool(((cache.history[:, -replay:] < 0) & tensors["real"][:, -replay:].bool()).any()):
         raise ValueError(
             f"The last {replay} tokens of the prefix include image positions; a saved prefix must end with at "
@@ -110,6 +134,6 @@ def load_cache(cache_class, path: str | os.PathLike, model, dspark: bool, crop_h
     cache = cache_class(model.config, crop_horizon=crop_horizon, dspark=dspark)
     embeddings = model.get_input_embeddings().weight
     state = {name: t.to(embeddings.device) for name, t in tensors.items()}
-    cache.restore_prefix(state, compressed_history(model, state["tokens"].long(), state["real"].bool()),
-                         embeddings.dtype)
+    restore_prefix(cache, state, compressed_history(model, state["tokens"].long(), state["real"].bool()),
+                   embeddings.dtype)
     return cache

@@ -24,6 +24,11 @@ class Ring:
         self.positions = torch.full((batch, size), -1, dtype=torch.long, device=device)
         self.fixed = False
 
+    @property
+    def nbytes(self) -> int:
+        """The ring's bytes, every slot allocated."""
+        return self.rows.nbytes
+
     def fix(self, columns: int) -> None:
         self.fixed = True  # the slots are fixed already: only the listed width stops following the chunk
 
