@@ -149,8 +149,7 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
     def engram_rows(self, input_ids: torch.Tensor, dead: torch.Tensor | None, store=None, replayed: int = 0
                     ) -> torch.Tensor:
         """Global Engram table rows [B,S,n_engram_layers,columns] of every position of `input_ids` (the hasher's,
-        over this model's token map); with a forward's `CacheStore` as the `store`, n-grams reach back into the
-        cached history."""
+        over this model's token map); with a forward's `CacheStore`, n-grams reach back into the cached history."""
         store = ChunkStore() if store is None else store
         return self.engram_hasher.rows(self.engram_token_map, input_ids, dead, store, replayed)
 
