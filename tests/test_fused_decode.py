@@ -256,7 +256,7 @@ def test_static_decode_steps_with_the_fused_ops_equal_the_exact_steps(monkeypatc
         fused_cache = copy.deepcopy(cache)
         exact = [model(ids[:, t:t + 1], cache=cache).logits for t in range(27, 29)]
         for name in ("kernels.mhc", "kernels.sparse_attention", "kernels.expert_ops", "kernels.linear",
-                     "cache.kv_access"):
+                     "cache.ring"):
             monkeypatch.setattr(sys.modules[f"modeling_deepseek_v41.{name}"], "kernel_path",
                                 lambda x: not torch.is_grad_enabled() and x.numel() > 0)
         fused = [model(ids[:, t:t + 1], cache=fused_cache).logits for t in range(27, 29)]

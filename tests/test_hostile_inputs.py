@@ -85,10 +85,10 @@ def test_reorder_cache_refuses_bad_indices_and_keeps_the_rows(model, indices, me
     cache = DeepseekV41Cache(model.config)
     with torch.no_grad():
         model(_ids(), cache=cache)
-    tokens = cache._tokens.view(0, cache.columns).clone()
+    tokens = cache.log.tokens.view(0, cache.columns).clone()
     with pytest.raises(ValueError, match=message):
         cache.reorder_cache(indices)
-    assert torch.equal(cache._tokens.view(0, cache.columns), tokens)
+    assert torch.equal(cache.log.tokens.view(0, cache.columns), tokens)
 
 
 def test_a_cache_that_ends_inside_an_image_span_is_refused():

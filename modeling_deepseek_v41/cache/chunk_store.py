@@ -1,27 +1,25 @@
-"""The store a forward without a cache uses: the same interface as DeepseekV41Cache's per-layer access
-(`kv_access.py`), over the chunk alone and thrown away with the forward. Pools stay dense and keep their
-gradients (straight-through FP4 QDQ), windows are listed from the chunk."""
+"""The store a forward without a cache uses: the store protocol (`layers/kv_store.py`) over the chunk alone,
+thrown away with the forward. Pools stay dense and keep their gradients (straight-through FP4 QDQ), windows are
+listed from the chunk."""
 
 from __future__ import annotations
 
 import torch
 
 from ..kernels.numerics import fp4_dequantize_rows, straight_through
-from .storage import gather_rows, list_window
+from ..kernels.sparse_attention import list_window
+from ..layers.kv_store import CompressStep
+from .ring import gather_rows
 
 
 class ChunkStore:
-    """What the attention layers of one cache-less forward read and write."""
-
-    decodes_incrementally = False
-    fixed_shapes = False
-    is_static = False
-    dspark = False
-
-    def __init__(self) -> None:
-        self.pool_kv: dict[int, torch.Tensor] = {}  # source -> [B, N, head_dim], every row of the chunk
+    """What the layers of one cache-less forward read and write."""
 
     # -- the forward's bookkeeping: a chunk is all there is ---------------------------------------------------
+    @property
+    def no_host_reads(self) -> bool:
+        return torch.compiler.is_compiling()  # a traced graph cannot read values back
+
     def get_seq_length(self) -> int:
         return 0
 
@@ -36,33 +34,50 @@ class ChunkStore:
     def commit(self, input_ids: torch.Tensor, positions: torch.Tensor, replayed: int = 0) -> None:
         pass
 
-    # -- per layer ----------------------------------------------------------------------------------------------
-    def pool_positions(self, positions: torch.Tensor) -> torch.Tensor:
-        return positions
+    # -- the layers' calls ------------------------------------------------------------------------------------
+    def write_pool(self, source: int, positions: torch.Tensor, compress: CompressStep, dtype: torch.dtype
+                   ) -> DensePoolView:
+        # rows as many as the chunk spans (one device read), unless traced: a traced graph cannot read them back
+        chunk = compress(positions, None, torch.compiler.is_compiling())
+        kv = straight_through(chunk.rotated, fp4_dequantize_rows(*chunk.kv_codes, chunk.rotated.dtype))
+        keys = straight_through(chunk.keys, fp4_dequantize_rows(*chunk.key_codes, chunk.keys.dtype))
+        return DensePoolView(kv, keys)  # the FP4 values, with the gradients of the values before FP4
 
-    def carry(self, source: int) -> None:
-        return None
+    def window(self, layer_id: int, kv: torch.Tensor, positions: torch.Tensor, size: int,
+               floor: torch.Tensor | None = None) -> ChunkWindow:
+        return ChunkWindow(kv, positions, size, floor)
 
-    def store_pool(self, source: int, out, rotated: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
-                   keys: torch.Tensor, key_codes, positions: torch.Tensor, key_dtype: torch.dtype) -> torch.Tensor:
-        self.pool_kv[source] = straight_through(rotated, fp4_dequantize_rows(*kv, rotated.dtype))
-        return straight_through(keys, fp4_dequantize_rows(*key_codes, keys.dtype))  # the FP4 values, keys' gradient
 
-    def gather_pool(self, source: int, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return gather_rows(self.pool_kv[source], rows)
+class DensePoolView:
+    """A cache-less forward's pool: every row of the chunk, dense."""
 
-    def window_entries(self, layer_id: int, chunk_kv: torch.Tensor, positions: torch.Tensor, window: int,
-                       floor: torch.Tensor | None = None, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each query's window entries [B,S,L,hd] from the chunk, and their validity."""
+    decodes_incrementally = False  # the chunk is the whole sequence: its indexers score every row
+    stored = None
+
+    def __init__(self, kv: torch.Tensor, keys: torch.Tensor) -> None:
+        self.kv, self._keys = kv, keys  # [B, N, head_dim], [B, N, index_head_dim]
+
+    def keys(self) -> torch.Tensor:
+        return self._keys
+
+    def gather(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return gather_rows(self.kv, rows)
+
+
+class ChunkWindow:
+    """A cache-less forward's windows, listed from the chunk."""
+
+    stored = None
+
+    def __init__(self, kv: torch.Tensor, positions: torch.Tensor, size: int, floor: torch.Tensor | None) -> None:
+        self.kv, self.positions, self.size, self.floor = kv, positions, size, floor
+
+    def entries(self, queries: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """Window entries [B,q,L,hd] of the chunk's queries `queries`, and their validity."""
+        positions = self.positions[:, queries]
         # traced (export/compile): the chunk's length bounds every position without a cache, with no host read
-        width = (min(window, positions.shape[1]) if torch.compiler.is_compiling()
-                 else max(min(window, int(positions.amax()) + 1) if positions.numel() else 0, 0))
-        _, valid, chunk_index = list_window(positions, window, width, floor, offset)
+        width = (min(self.size, positions.shape[1]) if torch.compiler.is_compiling()
+                 else max(min(self.size, int(positions.amax()) + 1) if positions.numel() else 0, 0))
+        _, valid, chunk_index = list_window(positions, self.size, width, self.floor, queries.start)
         index = torch.where(valid, chunk_index, 0)
-        return gather_rows(chunk_kv, index.clamp_min(0)), valid
-
-    def write_window(self, layer_id: int, chunk_kv: torch.Tensor, positions: torch.Tensor) -> None:
-        pass
-
-    def window_storage(self, layer_id: int, chunk_length: int) -> None:
-        return None  # windows are listed from the chunk
+        return gather_rows(self.kv, index.clamp_min(0)), valid

@@ -34,6 +34,13 @@ CACHE_CONFIG_FIELDS = CACHE_SHAPE_FIELDS + (
     "engram_num_embeddings", "engram_max_ngram_size", "engram_vocab_size", "engram_n_heads", "engram_head_dim",
     "engram_pad_token_id", "engram_compressed_vocab_size",
 )
+
+
+def cache_signature(text_config) -> tuple:
+    """What a cache must agree on with the model that uses it (its shape fields, as strings)."""
+    return tuple((k, str(getattr(text_config, k))) for k in CACHE_SHAPE_FIELDS)
+
+
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _NOT_FEEDING_THE_POOLS = re.compile(r"^(?:model\.)?(?:norm|head|lm_head|mtp|dspark)(?:\.|$)")
 

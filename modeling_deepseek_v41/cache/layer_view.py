@@ -1,6 +1,7 @@
 """A per-layer view of DeepseekV41Cache for transformers' Cache API (`cache.layers`, `len(cache)`): generate()
-reads the layers' kinds (attention, not recurrent) and lengths. The state itself is shared between layers (pools
-are read by several layers), so changes go through the whole cache."""
+reads the layers' kinds (attention, not recurrent) and lengths, and the Cache's own queries (`get_seq_length`,
+`get_mask_sizes`, `batch_size`, `is_compileable`, ...) are answered by its layers, as transformers' Cache does. The
+state itself is shared between layers (pools are read by several layers), so changes go through the whole cache."""
 
 from __future__ import annotations
 
@@ -28,16 +29,17 @@ class DeepseekV41LayerView(CacheLayerMixin):
 
     @property
     def batch_size(self) -> int:
-        return self.cache.batch_size
+        lengths = self.cache.lengths
+        return -1 if lengths is None else int(lengths.shape[0])
 
     def get_seq_length(self) -> int:
-        return self.cache.get_seq_length(self.layer_idx)
+        return self.cache.columns  # input columns consumed, padding included, as generate() counts them
 
     def get_max_length(self) -> int:
-        return self.cache.get_max_length(self.layer_idx)
+        return -1  # no maximum: the pools and the history grow
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.cache.get_mask_sizes(query_length, self.layer_idx)
+        return self.cache.columns + query_length, 0
 
     def _whole_cache_only(self, name: str):
         raise ValueError(f"DeepseekV41Cache layers share their pools: call cache.{name}(...) on the whole cache, "

@@ -5,6 +5,8 @@ Values are stored as the packed bytes plus scales and unpacked only when read (a
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from ..kernels.numerics import (
@@ -123,6 +125,12 @@ class PackedRows:
     def read(self, rows: int, dtype: torch.dtype) -> torch.Tensor:
         """The first `rows` rows of every batch row, unpacked: [B, rows, dim]."""
         return self._decode(self.codes[:, :rows], self.scales[:, :rows], dtype)
+
+    def clone(self) -> PackedRows:
+        """An independent copy of the rows (same format and capacity)."""
+        held = copy.copy(self)
+        held.codes, held.scales = self.codes.clone(), self.scales.clone()
+        return held
 
     def select_batch(self, index: torch.Tensor) -> None:
         self.codes = self.codes.index_select(0, index)

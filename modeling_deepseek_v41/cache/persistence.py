@@ -3,7 +3,9 @@
 Only what the CED design keeps on SSD is stored: the packed global KV (compressed rows and index keys of every
 pool), the ratio-r carries and the token ids (from which the Engram history is rebuilt), with a format version, the
 fingerprint of what they depend on (`fingerprint.py`) and one sha256 over header and payload. Window KV is not
-stored: a restored cache rebuilds it by bounded replay of the last `sliding_window` tokens on its next forward (those tokens never rewrite the pools).
+stored: a restored cache rebuilds it by bounded replay of the last `sliding_window` tokens on its next forward
+(those tokens never rewrite the pools). The file's tensor names are this module's; what each part keeps and how it
+is filled again are the parts' public `saved` and `restore` (the cache's `log`, each of its `pools`).
 """
 
 from __future__ import annotations
@@ -45,35 +47,41 @@ def compressed_history(model, tokens: torch.Tensor, real: torch.Tensor) -> torch
     return model.base_model.engram_token_map[tokens].masked_fill(dead, DEAD)
 
 
+def prefix_tensors(cache) -> dict[str, torch.Tensor]:
+    """The tensors a saved prefix holds: the log's token ids, real-token flags and lengths, and every pool's packed
+    rows, index keys and carry (named `pool.{source}.{part}`)."""
+    tensors = cache.log.saved()
+    for source, pool in cache.pools.items():
+        tensors.update({f"pool.{source}.{name}": t for name, t in pool.saved(cache.lengths).items()})
+    return tensors
+
+
+def restore_prefix(cache, tensors: dict[str, torch.Tensor], history: torch.Tensor, model_dtype: torch.dtype
+                   ) -> None:
+    """Fill the new `cache` from `prefix_tensors`' tensors (on the model's device) and their Engram history."""
+    tokens = tensors["tokens"]
+    cache.prepare_rows(tokens.shape[0], tokens.device, model_dtype)
+    cache.log.restore(tokens.long(), tensors["real"].bool(), history, tensors["lengths"])
+    for source, pool in cache.pools.items():
+        prefix = f"pool.{source}."
+        pool.restore({name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix)},
+                     cache.lengths)
+    cache.mark_restored()
+
+
 def save_cache(cache, path: str | os.PathLike, model) -> Path:
     """Write `cache` to `path` atomically (a temporary file in the same folder, then a rename)."""
     if not cache.is_initialized or cache.columns == 0:
         raise ValueError("There is nothing to save: the cache is empty.")
     replay = min(cache.text_config.sliding_window, cache.columns)
-    real = cache._real.view(0, cache.columns)
-    history = cache.history
-    if bool(((history[:, -replay:] < 0) & real[:, -replay:]).any()):
+    # the Engram history is rebuilt from the token ids on restore (images and padding are dead), so per token
+    # only the id (int32) and the real-token flag are stored beside the global KV
+    tensors = prefix_tensors(cache)
+    if bool(((cache.history[:, -replay:] < 0) & tensors["real"][:, -replay:].bool()).any()):
         raise ValueError(
             f"The last {replay} tokens of the prefix include image positions; a saved prefix must end with at "
             "least sliding_window text tokens, because restoring replays them as text."
         )
-    # the Engram history is rebuilt from the token ids on restore (images and padding are dead), so per token
-    # only the id (int32) and the real-token flag are stored beside the global KV
-    tensors = {
-        "tokens": cache._tokens.view(0, cache.columns).to(torch.int32).contiguous(),
-        "real": real.to(torch.uint8).contiguous(),
-        "lengths": cache.lengths.contiguous(),
-    }
-    for source, pool in cache.pools.items():
-        rows = int((cache.lengths // pool.ratio).amax())
-        tensors[f"pool.{source}.kv_codes"] = pool.kv.codes[:, :rows].contiguous()
-        tensors[f"pool.{source}.kv_scales"] = pool.kv.scales[:, :rows].contiguous()
-        tensors[f"pool.{source}.key_codes"] = pool.keys.codes[:, :rows].contiguous()
-        tensors[f"pool.{source}.key_scales"] = pool.keys.scales[:, :rows].contiguous()
-        if pool.ratio > 1:
-            carry = pool.carry_at(cache.lengths) if pool.carry is None else pool.carry
-            tensors[f"pool.{source}.carry_kv"] = carry[0].contiguous()
-            tensors[f"pool.{source}.carry_score"] = carry[1].contiguous()
     tensors = {name: t.detach().cpu() for name, t in tensors.items()}
     metadata = {"format_version": FORMAT_VERSION, "columns": str(cache.columns), **fingerprint(model)}
     metadata["checksum"] = content_checksum(metadata, tensors)
@@ -124,32 +132,8 @@ def load_cache(cache_class, path: str | os.PathLike, model, dspark: bool, crop_h
         raise ValueError(f"{path} was saved from another model: {mismatch}. A prefix cache can only be restored "
                          "into the model (weights, tokenizer, config) that wrote it; save it again from this one.")
     cache = cache_class(model.config, crop_horizon=crop_horizon, dspark=dspark)
-    device = model.get_input_embeddings().weight.device
-    tokens = tensors["tokens"].to(device)
-    cache._allocate(tokens.shape[0], device, model.get_input_embeddings().weight.dtype)
-    cache.columns = int(metadata["columns"])
-    real = tensors["real"].to(device).bool()
-    tokens = tokens.long()
-    cache._tokens.write(0, tokens)
-    cache._history.write(0, compressed_history(model, tokens, real))
-    cache._real.write(0, real)
-    cache.lengths = tensors["lengths"].to(device)
-    for source, pool in cache.pools.items():
-        rows = tensors[f"pool.{source}.kv_codes"].shape[1]
-        for storage, kind in ((pool.kv, "kv"), (pool.keys, "key")):
-            storage.ensure_capacity(rows)
-            storage.codes[:, :rows] = tensors[f"pool.{source}.{kind}_codes"].to(device)
-            storage.scales[:, :rows] = tensors[f"pool.{source}.{kind}_scales"].to(device)
-        if pool.ratio > 1:
-            pool.carry = (tensors[f"pool.{source}.carry_kv"].to(device),
-                          tensors[f"pool.{source}.carry_score"].to(device))
-            # the carry's tokens also seed the raw history a later crop rebuilds carries from
-            group_start = (cache.lengths // pool.ratio) * pool.ratio
-            for slot in range(pool.ratio):
-                present = group_start + slot < cache.lengths
-                index = ((group_start + slot) % pool.recent_size)[present]
-                pool.recent_kv[present, index] = pool.carry[0][present, slot].to(pool.recent_kv.dtype)
-                pool.recent_score[present, index] = pool.carry[1][present, slot].to(pool.recent_score.dtype)
-    cache.pending_replay = True
-    cache.crop_floor = cache.columns  # nothing before the restore point can be rolled back exactly
+    embeddings = model.get_input_embeddings().weight
+    state = {name: t.to(embeddings.device) for name, t in tensors.items()}
+    restore_prefix(cache, state, compressed_history(model, state["tokens"].long(), state["real"].bool()),
+                   embeddings.dtype)
     return cache

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from torch import nn
@@ -12,21 +13,23 @@ from ..kernels.numerics import POOL_KV_BLOCK, fp4_quantize_rows, weight_dtype
 from ..kernels.sparse_attention import attend_stored, sparse_attention, window_kv
 from .compressor import DeepseekV41Compressor
 from .indexer import QUERY_CHUNK, DeepseekV41Indexer  # queries attended per step: as many as are indexed
+from .kv_store import Carry, ForwardStore, PoolChunk, PoolView
 from .linear import DeepseekV41Linear, DeepseekV41RMSNorm, DeepseekV41Weight, linear_pair
 from .rotary import apply_rope_tail, rope_angles
 
 
 @dataclass
 class ForwardShare:
-    """Per-forward CSA2 state, handed down the layers (owned by one forward, never module-level). Pools and keys hold every row visible to this forward (cached and new)."""
+    """Per-forward CSA2 state, handed down the layers (owned by one forward, never module-level). Pool views see
+    every row visible to this forward (cached and new)."""
 
-    index_keys: dict[int, torch.Tensor] = field(default_factory=dict)  # source -> [B, N, index_head_dim]
+    pools: dict[int, PoolView] = field(default_factory=dict)  # source -> its view, from its owner's write_pool
     topk: dict[int, torch.Tensor] = field(default_factory=dict)  # index source -> [B, S, k] pool rows, -1 = none
     candidates: torch.Tensor | None = None  # [B, S, N] bool, published by the candidate source
     index_scores: dict[int, torch.Tensor] = field(default_factory=dict)  # filled only when recording
     record_selection: bool = False  # keep scores and candidates of every index source (tests, inspection)
     candidate_history: dict[int, torch.Tensor] = field(default_factory=dict)
-    store: object | None = None  # where the layers read and write KV: the cache, or the forward's ChunkStore
+    store: ForwardStore | None = None  # where the layers read and write KV: the cache's or the cache-less store
     pool_ready: set[int] = field(default_factory=set)  # pool owners whose rows this forward already wrote
     window_floor: torch.Tensor | None = None  # [B] lowest position a window may list (bounded replay)
 
@@ -78,28 +81,23 @@ class DeepseekV41Attention(nn.Module):
 
     def compress(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, share) -> None:
         """The Full role's compress step: compress this chunk into new pool rows (RoPE'd at each group's first
-        token, FP4-QDQ'd) and their index keys, and publish the pool and keys for the layers that read them. CED's
-        bounded replay calls it ahead of the layer's forward and marks the pool written (`share.pool_ready`)."""
-        spec, store = self.spec, share.store
-        source = spec.layer_id
+        token, FP4-QDQ'd) and their index keys through the store, and publish the pool's view for the layers that
+        read it. CED's bounded replay calls it ahead of the layer's forward and marks the pool written
+        (`share.pool_ready`)."""
+        source = self.spec.layer_id
         if source in share.pool_ready:
             return
-        positions = store.pool_positions(positions)  # tokens already pooled (a replay) are not compressed again
-        out = self.compressor(x, positions, store.carry(source), fixed_shapes=store.fixed_shapes)
-        rotation = rope_angles(out.rows.clamp_min(0) * spec.ratio, inv_freq)
+        share.pools[source] = share.store.write_pool(source, positions, partial(self._pool_chunk, x, inv_freq),
+                                                     x.dtype)
+
+    def _pool_chunk(self, x: torch.Tensor, inv_freq: torch.Tensor, positions: torch.Tensor, carry: Carry | None,
+                    fixed_shapes: bool) -> PoolChunk:
+        """The new pool rows of the chunk x at `positions` (those the store still needs), continuing `carry`."""
+        out = self.compressor(x, positions, carry, fixed_shapes=fixed_shapes)
+        rotation = rope_angles(out.rows.clamp_min(0) * self.spec.ratio, inv_freq)
         keys, key_codes = self.indexer.keys(out.latents, rotation)
         rotated = apply_rope_tail(out.latents, rotation, self.rope_dim)
-        codes = fp4_quantize_rows(rotated, POOL_KV_BLOCK, "e4m3")
-        share.index_keys[source] = store.store_pool(source, out, rotated, codes, keys, key_codes, positions, x.dtype)
-
-    def _window(self, kv: torch.Tensor, positions: torch.Tensor, share, queries: slice
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The window entries [B,q,L,hd] and validity of the queries in `queries` (a slice of the chunk)."""
-        return share.store.window_entries(self.spec.layer_id, kv, positions[:, queries], self.window,
-                                          share.window_floor, queries.start)
-
-    def _pool_entries(self, selected: torch.Tensor, share, dtype: torch.dtype) -> torch.Tensor:
-        return share.store.gather_pool(self.spec.pool_source, selected.clamp_min(0), dtype)
+        return PoolChunk(out, rotated, fp4_quantize_rows(rotated, POOL_KV_BLOCK, "e4m3"), keys, key_codes)
 
     def _output(self, o: torch.Tensor) -> torch.Tensor:
         batch, seq = o.shape[:2]
@@ -128,35 +126,33 @@ class DeepseekV41Attention(nn.Module):
         q_latent, kv_latent = linear_pair(x, self.wq_a, self.wkv)  # both read x: one launch on the kernels
         qr, q = self.query_heads(x, q_latent)
         kv = self.window_kv(x, rotation, kv_latent)
-        spec, store = self.spec, share.store
-        selected = None
+        spec = self.spec
+        pool = selected = None
         if spec.reads_pool:
             if spec.is_full:
                 self.compress(x, positions, inv_freq, share)
+            pool = share.pools[spec.pool_source]
             if spec.is_full or spec.is_reindex:
                 visible = torch.div(positions + 1, spec.ratio, rounding_mode="floor").clamp_min(0)
-                share.topk[spec.layer_id] = self.indexer(x, qr, rotation, share.index_keys[spec.pool_source],
-                                                         visible, share)
+                share.topk[spec.layer_id] = self.indexer(x, qr, rotation, pool, visible, share)
             selected = share.topk[spec.topk_source]  # its own top-k (Full, Reindex), the latest one's (Reuse)
-        ring = store.window_storage(spec.layer_id, q.shape[1])
-        if ring is not None:  # decode-sized chunk on a cache: the ring holds every window entry once written
-            store.write_window(spec.layer_id, kv, positions)
-            pool = store.pool_storage(spec.pool_source) if selected is not None else None
-            o = attend_stored(q, rotation, self.rope_dim, positions, self.window, share.window_floor, ring, pool,
-                              selected, self.attn_sink, self.softmax_scale)
+        window = share.store.window(spec.layer_id, kv, positions, self.window, share.window_floor)
+        if window.stored is not None:  # decode-sized chunk on a cache: the ring holds every window entry
+            o = attend_stored(q, rotation, self.rope_dim, positions, self.window, share.window_floor, window.stored,
+                              pool.stored if selected is not None else None, selected, self.attn_sink,
+                              self.softmax_scale)
             return self._output(o)
         q = apply_rope_tail(q, rotation, self.rope_dim)
         # queries in chunks, so that long prefills gather a bounded number of entries at a time
         outputs = []
         for start in range(0, q.shape[1], QUERY_CHUNK):
             queries = slice(start, start + QUERY_CHUNK)
-            entries, valid = self._window(kv, positions, share, queries)
+            entries, valid = window.entries(queries)
             if selected is not None:
                 rows = selected[:, queries]
-                entries = torch.cat([entries, self._pool_entries(rows, share, kv.dtype)], dim=2)
+                entries = torch.cat([entries, pool.gather(rows.clamp_min(0), kv.dtype)], dim=2)
                 valid = torch.cat([valid, rows >= 0], dim=2)
             outputs.append(sparse_attention(q[:, queries], entries, valid, self.attn_sink, self.softmax_scale))
-        store.write_window(spec.layer_id, kv, positions)
         o = torch.cat(outputs, dim=1)
         o = apply_rope_tail(o, rotation, self.rope_dim, inverse=True)
         return self._output(o)

@@ -37,9 +37,9 @@ class DeepseekV41Compressor(nn.Module):
                 ) -> CompressorOutput:
         """x [B,S,D], positions [B,S] (-1: padding); `carry` continues each row's open group from earlier calls.
 
-        With `fixed_shapes` (a cache is there to drop the unused rows) the outputs have as many groups as the chunk
-        could span, decided from its width alone, so nothing is read back from the device; unused rows are -1."""
-        fixed_shapes = fixed_shapes or torch.compiler.is_compiling()  # a traced graph cannot read the count back
+        With `fixed_shapes` (the store's choice: a cache drops the unused rows, a traced graph cannot read the count
+        back) the outputs have as many groups as the chunk could span, decided from its width alone, so nothing is
+        read back from the device; unused rows are -1."""
         live = positions >= 0
         big = torch.iinfo(positions.dtype).max
         first = torch.where(live, positions, big).amin(dim=1).clamp_max(big - 1)

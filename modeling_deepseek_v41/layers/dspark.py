@@ -14,6 +14,7 @@ from ..kernels.sparse_attention import sparse_attention
 from .attention import DeepseekV41Attention
 from .block import DeepseekV41Block
 from .hyper_connections import hc_collapse, initial_streams
+from .kv_store import DrafterRings
 from .linear import DeepseekV41Linear, DeepseekV41RMSNorm
 from .rotary import apply_rope_tail
 
@@ -134,14 +135,16 @@ class DeepseekV41DSpark(nn.ModuleList):
         return first.main_norm(first.main_proj(taps))
 
     def feed_rings(self, taps: torch.Tensor, positions: torch.Tensor,
-                   rotations: dict[tuple[float, bool], tuple[torch.Tensor, torch.Tensor]], store) -> None:
+                   rotations: dict[tuple[float, bool], tuple[torch.Tensor, torch.Tensor]], rings: DrafterRings
+                   ) -> None:
         """Write the window KV of every position the backbone just processed (taps [B,T,n_taps*D] at `positions`
-        [B,T], the last T of the forward's) into each stage's ring in `store`. `rotations` are the forward's own
-        (theta, yarn) -> (angles, inv_freq), so the stages' angles are not computed twice."""
+        [B,T], the last T of the forward's) into each stage's ring in `rings` (a cache made with `dspark=True`).
+        `rotations` are the forward's own (theta, yarn) -> (angles, inv_freq), so the stages' angles are not
+        computed twice."""
         rotation = rotations[self.rope_variant][0][:, -taps.shape[1]:]
         main_x = self.project_taps(taps)
         for stage in self:
-            store.write_window(stage.spec.layer_id, stage.window_kv(main_x, rotation), positions)
+            rings.write_window(stage.spec.layer_id, stage.window_kv(main_x, rotation), positions)
 
     def forward(self, embeddings: torch.Tensor, rotation: torch.Tensor,
                 stage_window: Callable[[nn.Module, torch.dtype], tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:

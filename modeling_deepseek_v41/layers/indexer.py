@@ -7,6 +7,7 @@ from torch import nn
 
 from ..kernels.numerics import INDEX_BLOCK, fp4_qdq, fp4_quantize_rows
 from ..kernels.sparse_attention import candidate_mask, candidate_positions, select_candidate_blocks, stable_topk_indices
+from .kv_store import PoolView
 from .linear import DeepseekV41Linear, DeepseekV41RMSNorm
 from .rotary import apply_rope_tail
 
@@ -45,19 +46,19 @@ class DeepseekV41Indexer(nn.Module):
         k = apply_rope_tail(self.k_norm(self.wk(latents)), rotation, self.rope_dim)
         return k, fp4_quantize_rows(k, INDEX_BLOCK, "e8m0")
 
-    def forward(self, x: torch.Tensor, qr: torch.Tensor, rotation: torch.Tensor, keys: torch.Tensor,
+    def forward(self, x: torch.Tensor, qr: torch.Tensor, rotation: torch.Tensor, pool: PoolView,
                 visible: torch.Tensor, share) -> torch.Tensor:
-        """x [B,S,D] normed input; qr [B,S,q_lora]; keys [B,N,index_head_dim]; visible [B,S] rows each query may
-        see. Returns selected pool rows [B,S,k] ascending, -1 where nothing visible is left to select."""
-        if callable(keys):  # a cache's packed keys, unpacked once per forward and shared by the pool's indexers
-            keys = share.index_keys[self.spec.pool_source] = keys()
+        """x [B,S,D] normed input; qr [B,S,q_lora]; `pool` the view of the pool scored (its keys
+        [B,N,index_head_dim]); visible [B,S] rows each query may see. Returns selected pool rows [B,S,k]
+        ascending, -1 where nothing visible is left to select."""
+        keys = pool.keys()
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
         q = fp4_qdq(apply_rope_tail(q, rotation, self.rope_dim), INDEX_BLOCK, "e8m0")
         weights = self.weights_proj(x) * (self.head_dim**-0.5 * self.n_heads**-0.5)
         k = min(self.topk, keys.shape[1])
         # decode-sized steps gather their candidate blocks' keys (cost independent of the pool length); prefills
         # and short pools score every row once, which is cheaper there
-        gathered = (self.spec.uses_candidates and share.store.decodes_incrementally and self._candidates_cover_topk()
+        gathered = (self.spec.uses_candidates and pool.decodes_incrementally and self._candidates_cover_topk()
                     and q.shape[1] <= GATHER_MAX_QUERIES)
         selections, candidates, recorded = [], [], []
         for start in range(0, q.shape[1], QUERY_CHUNK):  # bounded score tensors for long prefills

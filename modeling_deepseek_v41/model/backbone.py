@@ -120,8 +120,8 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         else:
             run = self.run_backbone(hidden, context, output_hidden_states=output_hidden_states)
         tapped = torch.cat(run.taps, dim=-1) if run.taps else None
-        if store.dspark and tapped is not None:
-            self.mtp.feed_rings(tapped, run.positions, context.rotations, store)
+        if cache is not None and cache.dspark and tapped is not None:
+            self.mtp.feed_rings(tapped, run.positions, context.rotations, cache)
         store.commit(input_ids, context.positions, replayed)
         return run.output(self.norm, hidden, tapped, replayed, cache, output_router_logits)
 
@@ -135,7 +135,7 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
                            ) -> None:
         """Deprecated (removed in the next release): the drafter's `model.mtp.feed_rings(...)`."""
         warnings.warn("DeepseekV41Model.feed_drafter_rings is deprecated and will be removed in the next release: use "
-                      "the DSpark drafter's model.mtp.feed_rings(taps, positions, rotations, store).", FutureWarning,
+                      "the DSpark drafter's model.mtp.feed_rings(taps, positions, rotations, cache).", FutureWarning,
                       stacklevel=2)
         self.mtp.feed_rings(taps, positions, {self.mtp.rope_variant: (rotation, None)}, cache)
 
@@ -149,7 +149,7 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
     def engram_rows(self, input_ids: torch.Tensor, dead: torch.Tensor | None, store=None, replayed: int = 0
                     ) -> torch.Tensor:
         """Global Engram table rows [B,S,n_engram_layers,columns] of every position of `input_ids` (the hasher's,
-        over this model's token map); with a cache as the `store`, n-grams reach back into the cached history."""
+        over this model's token map); with a forward's `CacheStore`, n-grams reach back into the cached history."""
         store = ChunkStore() if store is None else store
         return self.engram_hasher.rows(self.engram_token_map, input_ids, dead, store, replayed)
 
@@ -157,12 +157,12 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
                         token_types: torch.Tensor | None = None, record_selection: bool = False,
                         store=None, positions: torch.Tensor | None = None, replayed: int = 0) -> ForwardContext:
         """Everything the layers share for one forward: positions (-1 at padding), RoPE rotations, Engram rows,
-        image mask and the per-forward CSA2 share. `store` is the cache (whose `begin_chunk` gave `positions`)
-        or, by default, a throw-away ChunkStore."""
+        image mask and the per-forward CSA2 share. `store` is the forward's store (a cache's `CacheStore`, whose
+        `begin_chunk` gave `positions`) or, by default, a throw-away ChunkStore."""
         store = ChunkStore() if store is None else store
         positions = token_positions(input_ids, attention_mask) if positions is None else positions
         # an all-False padding mask changes nothing; only eager, growing-cache calls read it back to skip it
-        image_mask, dead = dead_positions(positions, token_types, torch.compiler.is_compiling() or store.is_static)
+        image_mask, dead = dead_positions(positions, token_types, store.no_host_reads)
         rotations = self.rotary.rotations(positions)
         engram_rows = None
         if self.engram_hasher is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..cache.cache import DeepseekV41Cache
+from ..cache.cache_store import CacheStore
 from ..cache.chunk_store import ChunkStore
 from ..config.config_validation import check_field
 from ..kernels.dispatch import fast_path
@@ -172,8 +173,9 @@ def forward_ids(config, plan, training: bool, input_ids, inputs_embeds, cache, u
 
 def forward_store(config, cache, use_cache: bool, length: int, prefill_mode: str | None):
     """(the forward's cache or None, the store its layers use, the prefill mode) for a chunk of `length` tokens: a
-    new cache when `use_cache` asks for one, a checked given one, else a throw-away ChunkStore (one attention path
-    with or without a cache); the chunk must fit the positions after the cached ones."""
+    new cache when `use_cache` asks for one, a checked given one; the store is the cache's `CacheStore` for this
+    forward, else a throw-away ChunkStore (one attention path with or without a cache); the chunk must fit the
+    positions after the cached ones."""
     text = config.text_config
     if cache is None and use_cache:
         cache = DeepseekV41Cache(config)
@@ -181,7 +183,7 @@ def forward_store(config, cache, use_cache: bool, length: int, prefill_mode: str
         if not isinstance(cache, DeepseekV41Cache):
             raise TypeError(f"DeepseekV41Model needs a DeepseekV41Cache, got {type(cache).__name__}.")
         cache.check_compatible(text)
-    store = cache if cache is not None else ChunkStore()  # without a cache, the layers' KV lives one forward
+    store = CacheStore(cache) if cache is not None else ChunkStore()  # without a cache, KV lives one forward
     past = store.get_seq_length()
     if past + length > text.max_position_embeddings:
         raise ValueError(

@@ -66,18 +66,18 @@ class DeepseekV41CUDAGraphDecoder:
         if self.graph is None:
             self._record()
         self.graph.replay()
-        self.cache.advance_static_step()
+        self.cache.log.advance_step()
         return self.logits.clone()
 
     def _record(self) -> None:
         """Record one step; recording runs no kernel, so the host counters it advanced are put back."""
-        state = self.cache.static_state()
+        state = self.cache.log.host_state()
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph):
                 self.logits = self.model(self.input_ids, cache=self.cache).logits
         finally:
-            self.cache.set_static_state(state)
+            self.cache.log.set_host_state(state)
         self.graph = graph
 
     def close(self) -> None:

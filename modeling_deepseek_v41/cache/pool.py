@@ -1,0 +1,163 @@
+"""A KV source's pool in a cache (packed FP4 rows, index keys, the ratio-r carry and the raw recent tokens a crop
+rebuilds it from), and the view of it that its owner's `write_pool` call returns (`StoredPoolView`)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels.sparse_attention import StoredPool
+from ..layers.kv_store import PoolChunk
+from .packed_rows import PackedRows
+
+
+class Pool:
+    """One KV source's compressed rows and index keys, plus its raw recent tokens for restoring a carry. A `fixed`
+    pool (static decode) keeps its capacity and its carry's buffers: each step reads every reserved row (those not
+    written yet are masked by each query's visible count) and updates the carry in place."""
+
+    def __init__(self, ratio: int, head_dim: int, index_dim: int, batch: int, horizon: int,
+                 device: torch.device, compute_dtype: torch.dtype) -> None:
+        self.ratio = ratio
+        self.kv = PackedRows("fp4_e4m3", batch, head_dim, 0, device)
+        self.keys = PackedRows("fp4_e8m0", batch, index_dim, 0, device)
+        self.carry: tuple[torch.Tensor, torch.Tensor] | None = None
+        # the fp32 projections of the last `horizon + ratio` tokens, by position modulo that size
+        self.recent_size = horizon + ratio if ratio > 1 else 0
+        shape = (batch, self.recent_size, head_dim)
+        self.recent_kv = torch.zeros(shape, dtype=compute_dtype, device=device)
+        self.recent_score = torch.full(shape, -torch.inf, dtype=compute_dtype, device=device)
+        self.fixed = False
+
+    def rows_after(self, chunk_max_length: int) -> int:
+        """Rows the longest batch row will have completed once the chunk is written (a fixed pool: all)."""
+        return self.kv.capacity if self.fixed else chunk_max_length // self.ratio
+
+    def fix(self, columns: int) -> None:
+        """Reserve rows for `columns` columns and keep every buffer where it is (static decode)."""
+        self.kv.ensure_capacity(columns // self.ratio + 1)
+        self.keys.ensure_capacity(columns // self.ratio + 1)
+        self.fixed = True
+
+    def unfix(self) -> None:
+        self.fixed = False
+
+    def write(self, chunk: PoolChunk, positions: torch.Tensor, total: int, dtype: torch.dtype) -> StoredPoolView:
+        """Store the chunk's completed rows (codes and scales of their QDQ), the new carry and the raw tokens at
+        `positions` [B,S]; returns the view of the pool's first `total` rows, keys read in `dtype`."""
+        out, kv, keys = chunk.compressed, chunk.kv_codes, chunk.key_codes
+        self.kv.ensure_capacity(max(total, 1))  # a step's skipped writes land on row 0
+        self.keys.ensure_capacity(max(total, 1))
+        if out.rows.shape[1] == 1 and positions.shape[1] == 1:
+            self._write_step(out.rows[:, 0], kv, keys, out.carry, out.token_kv, out.token_score, positions[:, 0])
+            return StoredPoolView(self, total, dtype)
+        rows = out.rows
+        done = rows >= 0
+        batch_ids = torch.arange(rows.shape[0], device=rows.device).unsqueeze(1).expand_as(rows)
+        self.kv.write_codes(batch_ids[done], rows[done], kv[0][done], kv[1][done])
+        self.keys.write_codes(batch_ids[done], rows[done], keys[0][done], keys[1][done])
+        if self.ratio > 1:
+            self.carry = out.carry
+            live = positions >= 0
+            b = torch.arange(positions.shape[0], device=rows.device).unsqueeze(1).expand_as(positions)[live]
+            slot = positions[live] % self.recent_size
+            self.recent_kv[b, slot] = out.token_kv[live].to(self.recent_kv.dtype)
+            self.recent_score[b, slot] = out.token_score[live].to(self.recent_score.dtype)
+        return StoredPoolView(self, total, dtype)
+
+    def _write_step(self, rows: torch.Tensor, kv, keys, carry, token_kv, token_score, positions: torch.Tensor
+                    ) -> None:
+        """write for one token and at most one new row per batch row, without reading anything back."""
+        done = rows >= 0
+        self.kv.write_codes_one_per_row(rows, kv[0][:, 0], kv[1][:, 0], done)
+        self.keys.write_codes_one_per_row(rows, keys[0][:, 0], keys[1][:, 0], done)
+        if self.ratio > 1:
+            if self.fixed:  # in place: a replayed graph reads the carry where it wrote it
+                for stored, new in zip(self.carry, carry):
+                    stored.copy_(new)
+            else:
+                self.carry = carry
+            live = (positions >= 0).view(-1, 1, 1)
+            index = (positions % self.recent_size).view(-1, 1, 1).expand(-1, 1, self.recent_kv.shape[-1])
+            for store, values in ((self.recent_kv, token_kv), (self.recent_score, token_score)):
+                store.scatter_(1, index, torch.where(live, values.to(store.dtype), store.gather(1, index)))
+
+    def carry_at(self, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The carry after `lengths` tokens: slots of the open group's tokens, from the raw recent tokens."""
+        r = self.ratio
+        group_start = (lengths // r) * r
+        slots = torch.arange(r, device=lengths.device)
+        token_pos = group_start.unsqueeze(1) + slots
+        present = token_pos < lengths.unsqueeze(1)
+        index = (token_pos % self.recent_size).unsqueeze(-1).expand(-1, -1, self.recent_kv.shape[-1])
+        kv = torch.where(present.unsqueeze(-1), self.recent_kv.gather(1, index), 0)
+        score = torch.where(present.unsqueeze(-1), self.recent_score.gather(1, index), -torch.inf)
+        return kv, score
+
+    def crop(self, lengths: torch.Tensor) -> None:
+        """Back to `lengths` tokens per row: rows past them are never read again; the carry is rebuilt."""
+        if self.ratio > 1:
+            self.carry = self.carry_at(lengths)
+
+    def select(self, indices: torch.Tensor) -> None:
+        self.kv.select_batch(indices)
+        self.keys.select_batch(indices)
+        if self.ratio > 1:
+            self.recent_kv = self.recent_kv.index_select(0, indices)
+            self.recent_score = self.recent_score.index_select(0, indices)
+            if self.carry is not None:
+                self.carry = tuple(t.index_select(0, indices) for t in self.carry)
+
+    def nbytes(self, lengths: torch.Tensor) -> tuple[int, int]:
+        """(global KV bytes of the rows `lengths` tokens completed, bytes of the carry and the raw recent tokens)."""
+        rows = int((lengths // self.ratio).sum())
+        carry = 0
+        if self.ratio > 1:
+            carry = self.recent_kv.nbytes + self.recent_score.nbytes
+            carry += sum(t.nbytes for t in self.carry) if self.carry is not None else 0
+        return rows * (self.kv.bytes_per_row + self.keys.bytes_per_row), carry
+
+    def saved(self, lengths: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What a saved prefix keeps of this pool: the packed rows and keys `lengths` completed, and the carry."""
+        rows = int((lengths // self.ratio).amax())
+        tensors = {"kv_codes": self.kv.codes[:, :rows], "kv_scales": self.kv.scales[:, :rows],
+                   "key_codes": self.keys.codes[:, :rows], "key_scales": self.keys.scales[:, :rows]}
+        if self.ratio > 1:
+            carry = self.carry_at(lengths) if self.carry is None else self.carry
+            tensors["carry_kv"], tensors["carry_score"] = carry
+        return {name: t.contiguous() for name, t in tensors.items()}
+
+    def restore(self, saved: dict[str, torch.Tensor], lengths: torch.Tensor) -> None:
+        """Fill this (new) pool from `saved` (as `saved` gives it, on this pool's device)."""
+        rows = saved["kv_codes"].shape[1]
+        for storage, kind in ((self.kv, "kv"), (self.keys, "key")):
+            storage.ensure_capacity(rows)
+            storage.codes[:, :rows] = saved[f"{kind}_codes"]
+            storage.scales[:, :rows] = saved[f"{kind}_scales"]
+        if self.ratio > 1:
+            self.carry = (saved["carry_kv"], saved["carry_score"])
+            # the carry's tokens also seed the raw history a later crop rebuilds carries from
+            group_start = (lengths // self.ratio) * self.ratio
+            for slot in range(self.ratio):
+                present = group_start + slot < lengths
+                index = ((group_start + slot) % self.recent_size)[present]
+                self.recent_kv[present, index] = self.carry[0][present, slot].to(self.recent_kv.dtype)
+                self.recent_score[present, index] = self.carry[1][present, slot].to(self.recent_score.dtype)
+
+
+class StoredPoolView:
+    """A cache's pool as one forward sees it: its first `rows` rows (a fixed pool: all it reserved)."""
+
+    decodes_incrementally = True  # steps of a few tokens over stored rows: the indexers may gather candidates
+
+    def __init__(self, pool: Pool, rows: int, dtype: torch.dtype) -> None:
+        self.pool, self.rows, self.dtype = pool, rows, dtype
+        self.stored = StoredPool(pool.kv.codes, pool.kv.scales)
+        self._keys: torch.Tensor | None = None
+
+    def keys(self) -> torch.Tensor:
+        if self._keys is None:  # unpacked on first use, once per forward (scanning the history is the indexers')
+            self._keys = self.pool.keys.read(self.rows, self.dtype)
+        return self._keys
+
+    def gather(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self.pool.kv.gather(rows, dtype)
