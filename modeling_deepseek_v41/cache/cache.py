@@ -102,12 +102,14 @@ class DeepseekV41Cache(Cache):
     def crop(self, tokens_to_remove: int) -> None:
         """Forget the last `-tokens_to_remove` columns (transformers' convention: a negative count; 0 is a no-op).
 
-        Windows, carries, pools and histories return exactly to their earlier state within `crop_horizon`."""
+        Windows, carries, pools and histories return exactly to their earlier state within `crop_horizon`; a
+        static cache crops its own steps in place (a DSpark verify step's rejected drafts)."""
         if tokens_to_remove > 0:
             raise ValueError("DeepseekV41Cache.crop takes a negative number of tokens to remove (or 0).")
         if tokens_to_remove == 0 or not self.is_initialized:
             return
-        check_crop(-tokens_to_remove, self.crop_horizon, self.columns, self.crop_floor, self.is_static)
+        static_start = self.log.fixed_from if self.is_static else None
+        check_crop(-tokens_to_remove, self.crop_horizon, self.columns, self.crop_floor, static_start)
         self.log.crop(-tokens_to_remove)
         for part in (*self.rings.values(), *self.pools.values()):
             part.crop(self.lengths)
@@ -143,9 +145,10 @@ class DeepseekV41Cache(Cache):
         return self.log.cursor if self.log is not None else None
 
     def make_static(self, columns: int) -> None:
-        """Fix every buffer for one-token decode steps until the cache holds `columns` columns: each step then
-        runs the same kernels on the same memory with the same shapes (what a CUDA graph replays). Pool reads span
-        the pools' capacity, masked by each query's visible rows, so a step's cost no longer follows the context."""
+        """Fix every buffer for decode steps (of 1 to crop_horizon + 1 tokens) until the cache holds `columns`
+        columns: a step of a given width then runs the same kernels on the same memory with the same shapes (what a
+        CUDA graph replays). Pool reads span the pools' capacity, masked by each query's visible rows, so a step's
+        cost no longer follows the context."""
         check_make_static(self, columns)
         for part in (self.log, *self.pools.values(), *self.rings.values()):
             part.fix(columns)

@@ -37,7 +37,8 @@ class CacheStore:
         cache, (batch, seq) = self.cache, input_ids.shape
         cache.prepare_rows(batch, input_ids.device, compute_dtype)
         if cache.is_static:
-            check_static_step(seq, attention_mask, cache.pending_replay, cache.columns, cache.log.limit)
+            check_static_step(seq, attention_mask, cache.pending_replay, cache.columns, cache.log.limit,
+                              cache.crop_horizon + 1)
         positions, widest = chunk_positions(cache.lengths, cache.columns, seq, attention_mask)
         self.chunk_max_length = cache.max_length + seq if widest is None else widest
         replayed = 0

@@ -22,14 +22,15 @@ def chunk_positions(lengths: torch.Tensor, columns: int, seq: int, attention_mas
 
 
 def check_static_step(seq: int, attention_mask: torch.Tensor | None, pending_replay: bool, columns: int,
-                      limit: int) -> None:
-    """A static cache runs one-token steps without a mask, within the columns it was fixed for."""
-    if seq != 1 or attention_mask is not None or pending_replay:
-        raise ValueError("A static cache (make_static) runs one-token decode steps without an attention mask; "
-                         "call cache.end_static() before other forwards.")
-    if columns >= limit:
-        raise ValueError(f"This static cache is full ({limit} columns); call cache.end_static() or make_static "
-                         "with more columns.")
+                      limit: int, widest: int) -> None:
+    """A static cache runs steps of 1 to `widest` tokens (a DSpark verify step: the drafts and the token before
+    them) without a mask, within the columns it was fixed for."""
+    if not 1 <= seq <= widest or attention_mask is not None or pending_replay:
+        raise ValueError(f"A static cache (make_static) runs decode steps of 1 to {widest} tokens without an "
+                         "attention mask; call cache.end_static() before other forwards.")
+    if columns + seq > limit:
+        raise ValueError(f"This static cache has room for {limit - columns} more columns, not {seq}; call "
+                         "cache.end_static() or make_static with more columns.")
 
 
 def check_make_static(cache, columns: int) -> None:
@@ -38,19 +39,21 @@ def check_make_static(cache, columns: int) -> None:
     if not cache.is_initialized or cache.columns < max(keep, 1):
         raise ValueError(f"make_static needs a prefilled cache of at least {max(keep, 1)} columns: run the "
                          "prompt through the model first.")
-    if cache.pending_replay or cache.dspark:
-        raise ValueError("make_static needs a cache without a pending replay and without DSpark rings "
-                         "(run one forward after loading a saved cache; create the cache with dspark=False).")
+    if cache.pending_replay:
+        raise ValueError("make_static needs a cache without a pending replay (run one forward after loading a "
+                         "saved cache).")
     if columns <= cache.columns:
         raise ValueError(f"make_static({columns}): the cache already holds {cache.columns} columns.")
     if any(pool.ratio > 1 and pool.carry is None for pool in cache.pools.values()):
         raise ValueError("make_static needs every pool's carry: prefill at least one token.")
 
 
-def check_crop(count: int, horizon: int, columns: int, floor: int, static: bool) -> None:
-    """Refuse cropping `count` columns that cannot be rolled back exactly."""
-    if static:
-        raise ValueError("Cannot crop a static cache; call cache.end_static() first.")
+def check_crop(count: int, horizon: int, columns: int, floor: int, static_start: int | None) -> None:
+    """Refuse cropping `count` columns that cannot be rolled back exactly (a static cache: in place, back to where
+    it was fixed at most)."""
+    if static_start is not None and count > columns - static_start:
+        raise ValueError(f"Cannot crop {count} tokens from a static cache fixed at {static_start} of its {columns} "
+                         "columns: it crops only its own steps. Call cache.end_static() first.")
     if count > horizon:
         raise ValueError(f"Cannot crop {count} tokens: this cache keeps {horizon} tokens of history to roll back "
                          "exactly (crop_horizon). Create it with a larger crop_horizon.")

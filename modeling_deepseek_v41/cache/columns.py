@@ -22,8 +22,9 @@ class Columns:
         self.buffer[:, start:end] = values
 
     def write_at(self, column: torch.Tensor, values: torch.Tensor) -> None:
-        """Store values [B, 1] at a column held on the device (a static decode step): no host int involved."""
-        self.buffer.scatter_(1, column.expand(self.buffer.shape[0], 1), values.to(self.buffer.dtype))
+        """Store values [B, n] from a column held on the device on (a static step): no host int involved."""
+        index = column + torch.arange(values.shape[1], device=column.device)
+        self.buffer.scatter_(1, index.expand(self.buffer.shape[0], -1), values.to(self.buffer.dtype))
 
     def reserve(self, columns: int) -> None:
         if columns > self.buffer.shape[1]:
@@ -41,8 +42,8 @@ class Columns:
 class ColumnLog:
     """Every input column a cache consumed (its compressed id, DEAD at images and padding; whether it is a real
     token; its raw id), the column count and each row's real tokens, whose most is also kept on the host. While
-    `fix`ed (static decode), one-column steps write at `cursor`, the column count on the device, and advance it and
-    the row counts in place, so that a replayed CUDA graph advances the same buffers."""
+    `fix`ed (static decode), steps write their columns from `cursor`, the column count on the device, and advance
+    (or a crop steps back) it and the row counts in place, so that a replayed CUDA graph uses the same buffers."""
 
     def __init__(self, batch: int, device: torch.device) -> None:
         self.history = Columns(batch, torch.long, device)
@@ -52,6 +53,7 @@ class ColumnLog:
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # [B] real tokens per row
         self.cursor: torch.Tensor | None = None  # [1, 1] the column count on the device while fixed
         self.limit = 0  # the columns a fixed log has room for
+        self.fixed_from = 0  # the column count when it was fixed
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -74,6 +76,7 @@ class ColumnLog:
         for record in (self.history, self.real, self.tokens):
             record.reserve(capacity)
         self.limit = capacity
+        self.fixed_from = self.columns  # a crop goes back this far at most: before it, padding may be cropped
         self.cursor = torch.full((1, 1), self.columns, dtype=torch.long, device=self.tokens.buffer.device)
         self._max_length = self.max_length  # read back here, once: static steps advance it on the host
 
@@ -83,9 +86,9 @@ class ColumnLog:
     def append_history(self, compressed: torch.Tensor, replayed: int, keep: int) -> torch.Tensor:
         """Record the chunk's compressed ids (the first `replayed` are there already); returns the last `keep`
         earlier columns followed by the whole chunk."""
-        if self.cursor is not None:  # the step's column is the device counter; the window is the last keep + 1
+        if self.cursor is not None:  # the step's columns start at the device counter; the window ends with them
             self.history.write_at(self.cursor, compressed)
-            window = self.cursor - keep + torch.arange(keep + 1, device=compressed.device)
+            window = self.cursor - keep + torch.arange(keep + compressed.shape[1], device=compressed.device)
             return self.history.buffer.index_select(1, window.view(-1))
         self.history.write(self.columns, compressed[:, replayed:])
         new_end = self.columns + compressed.shape[1] - replayed
@@ -97,7 +100,7 @@ class ColumnLog:
         if self.cursor is not None:
             self.tokens.write_at(self.cursor, ids)
             self.real.write_at(self.cursor, real)
-            self.cursor.add_(1)
+            self.cursor.add_(ids.shape[1])
             self._lengths.add_(real.sum(dim=1))
         else:
             self.tokens.write(self.columns, ids)
@@ -113,14 +116,21 @@ class ColumnLog:
     def set_host_state(self, state: tuple[int, int | None]) -> None:
         self.columns, self._max_length = state
 
-    def advance_step(self) -> None:
-        """What a static step's append does on the host, for a step replayed from a graph."""
-        self.columns += 1
-        self._max_length += 1
+    def advance_step(self, columns: int = 1) -> None:
+        """What a static step's append of `columns` columns does on the host, for a step replayed from a graph."""
+        self.columns += columns
+        self._max_length += columns
 
     def crop(self, count: int) -> None:
-        """Forget the last `count` columns."""
-        self.lengths = self.lengths - self.real.view(self.columns - count, self.columns).sum(dim=1)
+        """Forget the last `count` columns. A fixed log steps its counters back in place, and its host maximum by
+        `count` (every column of a static step is a real token of every row)."""
+        removed = self.real.view(self.columns - count, self.columns).sum(dim=1)
+        if self.cursor is not None:
+            self._lengths.sub_(removed)
+            self.cursor.sub_(count)
+            self._max_length -= count
+        else:
+            self.lengths = self.lengths - removed
         self.columns -= count
 
     def replay(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:

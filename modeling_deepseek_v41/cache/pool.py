@@ -47,8 +47,8 @@ class Pool:
         out, kv, keys = chunk.compressed, chunk.kv_codes, chunk.key_codes
         self.kv.ensure_capacity(max(total, 1))  # a step's skipped writes land on row 0
         self.keys.ensure_capacity(max(total, 1))
-        if out.rows.shape[1] == 1 and positions.shape[1] == 1:
-            self._write_step(out.rows[:, 0], kv, keys, out.carry, out.token_kv, out.token_score, positions[:, 0])
+        if self.fixed or (out.rows.shape[1] == 1 and positions.shape[1] == 1):
+            self._write_without_reads(out.rows, kv, keys, out.carry, out.token_kv, out.token_score, positions)
             return StoredPoolView(self, total, dtype)
         rows = out.rows
         done = rows >= 0
@@ -64,22 +64,26 @@ class Pool:
             self.recent_score[b, slot] = out.token_score[live].to(self.recent_score.dtype)
         return StoredPoolView(self, total, dtype)
 
-    def _write_step(self, rows: torch.Tensor, kv, keys, carry, token_kv, token_score, positions: torch.Tensor
-                    ) -> None:
-        """write for one token and at most one new row per batch row, without reading anything back."""
+    def _write_without_reads(self, rows: torch.Tensor, kv, keys, carry, token_kv, token_score,
+                             positions: torch.Tensor) -> None:
+        """write with fixed shapes and nothing read back (a step, or any chunk of a fixed pool): one scatter per
+        possible row [B,G] and per token [B,S], each writing at most one entry per batch row."""
         done = rows >= 0
-        self.kv.write_codes_one_per_row(rows, kv[0][:, 0], kv[1][:, 0], done)
-        self.keys.write_codes_one_per_row(rows, keys[0][:, 0], keys[1][:, 0], done)
+        for g in range(rows.shape[1]):
+            self.kv.write_codes_one_per_row(rows[:, g], kv[0][:, g], kv[1][:, g], done[:, g])
+            self.keys.write_codes_one_per_row(rows[:, g], keys[0][:, g], keys[1][:, g], done[:, g])
         if self.ratio > 1:
             if self.fixed:  # in place: a replayed graph reads the carry where it wrote it
                 for stored, new in zip(self.carry, carry):
                     stored.copy_(new)
             else:
                 self.carry = carry
-            live = (positions >= 0).view(-1, 1, 1)
-            index = (positions % self.recent_size).view(-1, 1, 1).expand(-1, 1, self.recent_kv.shape[-1])
-            for store, values in ((self.recent_kv, token_kv), (self.recent_score, token_score)):
-                store.scatter_(1, index, torch.where(live, values.to(store.dtype), store.gather(1, index)))
+            for s in range(positions.shape[1]):
+                live = (positions[:, s] >= 0).view(-1, 1, 1)
+                index = (positions[:, s] % self.recent_size).view(-1, 1, 1).expand(-1, 1, self.recent_kv.shape[-1])
+                for store, values in ((self.recent_kv, token_kv), (self.recent_score, token_score)):
+                    new = values[:, s:s + 1].to(store.dtype)
+                    store.scatter_(1, index, torch.where(live, new, store.gather(1, index)))
 
     def carry_at(self, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The carry after `lengths` tokens: slots of the open group's tokens, from the raw recent tokens."""
@@ -95,7 +99,10 @@ class Pool:
 
     def crop(self, lengths: torch.Tensor) -> None:
         """Back to `lengths` tokens per row: rows past them are never read again; the carry is rebuilt."""
-        if self.ratio > 1:
+        if self.ratio > 1 and self.fixed:  # in place: a replayed graph reads the carry where it wrote it
+            for stored, rebuilt in zip(self.carry, self.carry_at(lengths)):
+                stored.copy_(rebuilt)
+        elif self.ratio > 1:
             self.carry = self.carry_at(lengths)
 
     def select(self, indices: torch.Tensor) -> None:

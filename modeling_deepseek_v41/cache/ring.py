@@ -60,12 +60,13 @@ class Ring:
                 and chunk_kv.shape[-1] & (chunk_kv.shape[-1] - 1) == 0:  # one launch, nothing read back
             triton_kernels().ring_write(chunk_kv, positions, self.rows.codes, self.rows.scales, self.positions)
             return
-        if positions.shape[1] == 1:  # one token per row: written without reading anything back
-            live = positions[:, 0] >= 0
-            slots = positions[:, 0] % self.size
-            self.rows.write_one_per_row(slots, chunk_kv[:, 0], live)
-            self.positions.scatter_(1, slots.unsqueeze(1), torch.where(
-                live, positions[:, 0], self.positions.gather(1, slots.unsqueeze(1)).squeeze(1)).unsqueeze(1))
+        if self.fixed or positions.shape[1] == 1:  # a token per row per scatter: nothing read back
+            for s in range(positions.shape[1]):
+                live = positions[:, s] >= 0
+                slots = positions[:, s] % self.size
+                self.rows.write_one_per_row(slots, chunk_kv[:, s], live)
+                self.positions.scatter_(1, slots.unsqueeze(1), torch.where(
+                    live, positions[:, s], self.positions.gather(1, slots.unsqueeze(1)).squeeze(1)).unsqueeze(1))
             return
         end = torch.where(positions >= 0, positions, -1).amax(dim=1, keepdim=True)
         keep = (positions >= 0) & (positions > end - self.size)
@@ -96,7 +97,7 @@ class Ring:
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """A drafter stage's window: the last `window` backbone positions up to `last` [B], listed by ring slot
         (position modulo window) as the reference lists them. Returns values [B,L,hd] and validity [B,L]."""
-        width = min(window, max_length)  # last = lengths - 1
+        width = window if self.fixed else min(window, max_length)  # last = lengths - 1; fixed: one shape
         slots = torch.arange(width, device=last.device)
         listed = last.unsqueeze(1) - (last.unsqueeze(1) - slots) % window
         valid = (slots <= last.unsqueeze(1)) & (listed >= 0)
@@ -105,7 +106,7 @@ class Ring:
 
     def crop(self, lengths: torch.Tensor) -> None:
         """Forget the slots of positions at or past each row's length."""
-        self.positions = torch.where(self.positions >= lengths.unsqueeze(1), -1, self.positions)
+        self.positions.masked_fill_(self.positions >= lengths.unsqueeze(1), -1)  # in place: a graph reads it
 
     def select(self, indices: torch.Tensor) -> None:
         self.rows.select_batch(indices)

@@ -49,6 +49,22 @@ def dspark_draft(model, next_ids: torch.Tensor, cache,
     return Draft(torch.stack(ids, dim=1), logits, confidence)
 
 
+class Verdict(NamedTuple):
+    accepted: torch.Tensor  # [B] leading drafts the backbone agrees with
+    targets: torch.Tensor  # [B, block+1] the backbone's greedy token after each verified position
+    next_ids: torch.Tensor  # [B] the token after the accepted ones: the next round's first input
+
+
+def greedy_verdict(draft_ids: torch.Tensor, verify_logits: torch.Tensor) -> Verdict:
+    """Greedy acceptance on the device: draft_ids [B, block+1] (the given token, then the drafts) were run through
+    the backbone, giving verify_logits [B, block+1, V]. A draft is kept while every draft before it is the
+    backbone's own argmax; the round emits targets[:, :accepted + 1]. Nothing is read back to the host."""
+    targets = verify_logits.argmax(dim=-1)
+    agree = (draft_ids[:, 1:] == targets[:, :-1]).long()
+    accepted = agree.cumprod(dim=-1).sum(dim=-1)
+    return Verdict(accepted, targets, targets.gather(1, accepted.unsqueeze(1)).squeeze(1))
+
+
 def dspark_generation_config(model, generation_config: GenerationConfig | None, use_dspark: bool | None,
                              threshold: float | None) -> GenerationConfig:
     """A copy of the generation config with the DSpark fields set. Drafting runs through transformers' assisted
