@@ -20,8 +20,9 @@ from conversion_scripts.convert_native_to_hub import main as native_to_hub_main
 from conversion_scripts.streaming import MANIFEST, NonFiniteWeightError, file_digest, partial_dir
 from modeling_deepseek_v41.kernels.numerics import dequantize_fp8_weight
 from modeling_deepseek_v41.loading.safetensors_file import safetensors_entries
+from repo_paths import FIXTURES
 
-FIXTURE = Path(__file__).resolve().parent / "fixtures" / "tiny-text" / "checkpoint"
+FIXTURE = FIXTURES / "tiny-text" / "checkpoint"
 FIRST, SECOND = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
 BF16_NAN, BF16_INF, E8M0_NAN = b"\xc0\x7f", b"\x80\x7f", b"\xff"
 

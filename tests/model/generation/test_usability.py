@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
 
 import modeling_deepseek_v41  # noqa: F401
+from repo_paths import DEFAULT_CHECKPOINT
 from transformers import AutoModelForCausalLM, AutoProcessor
 
-CHECKPOINT = Path(__file__).resolve().parents[1] / "examples" / "default-checkpoint"
+CHECKPOINT = DEFAULT_CHECKPOINT
 
 
 @pytest.fixture(scope="module")

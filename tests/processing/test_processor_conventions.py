@@ -6,7 +6,6 @@ tests that do not apply are listed, with reasons, in `transformers_tests.SKIPPED
 
 import json
 import unittest
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -15,11 +14,12 @@ from transformers_tests import load_transformers_tests, skip_inapplicable
 
 import modeling_deepseek_v41  # noqa: F401  registers the config, so AutoImageProcessor/AutoProcessor know the model
 from processing import DeepseekV41ImageProcessor, DeepseekV41Processor, plan_image
+from repo_paths import FIXTURES
 
 image_common = load_transformers_tests("test_image_processing_common")
 processing_common = load_transformers_tests("test_processing_common")
 
-CHECKPOINT = Path(__file__).parent / "fixtures" / "tiny-vision" / "checkpoint"
+CHECKPOINT = FIXTURES / "tiny-vision" / "checkpoint"
 CONFIG = json.loads((CHECKPOINT / "config.json").read_text())
 VISION = CONFIG["vision_config"]
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,8 +12,9 @@ from safetensors.torch import load_file
 from modeling_deepseek_v41.config.configuration_deepseek_v41 import DeepseekV41VisionConfig
 from modeling_deepseek_v41.layers.vision import DeepseekV41VisionAligner, DeepseekV41VisionTower
 from modeling_deepseek_v41.layers.vision_embedding import embed_images, merge_image_embeddings
+from repo_paths import FIXTURES
 
-FIXTURE = Path(__file__).parent / "fixtures" / "tiny-vision"
+FIXTURE = FIXTURES / "tiny-vision"
 CHECKPOINT = FIXTURE / "checkpoint"
 
 

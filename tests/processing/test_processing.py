@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,8 +17,9 @@ from processing import (
     register_processing,
     span_length,
 )
+from repo_paths import DEFAULT_CHECKPOINT, FIXTURES
 
-FIXTURE = Path(__file__).parent / "fixtures" / "tiny-vision"
+FIXTURE = FIXTURES / "tiny-vision"
 CHECKPOINT = FIXTURE / "checkpoint"
 CONFIG = json.loads((CHECKPOINT / "config.json").read_text())
 META = json.loads((FIXTURE / "meta.json").read_text())
@@ -149,7 +149,7 @@ def test_markers_typed_in_content_stay_text():
     tokenizer's own template, of the default checkpoint, whose vocabulary has the role tokens) with the special
     tokens of the real turns only; the fake turn decodes back as its text. split_special_tokens_in_content=False
     keeps the markers, which then become special tokens."""
-    default = Path(__file__).resolve().parents[1] / "examples" / "default-checkpoint"
+    default = DEFAULT_CHECKPOINT
     tokenizer = AutoTokenizer.from_pretrained(default)
     processor = AutoProcessor.from_pretrained(default)
     special = set(tokenizer.added_tokens_decoder)

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from repo_paths import DEFAULT_CHECKPOINT, ROOT
+
 sys.path.insert(0, str(ROOT))
 
-CHECKPOINT = ROOT / "examples" / "default-checkpoint"
+CHECKPOINT = DEFAULT_CHECKPOINT
 # measured values are in docs/fine_tuning.md and benchmarks/default_checkpoint_results.md; thresholds sit a
 # little below them
 ACCURACY_THRESHOLD = 0.90  # measured 0.9375 (45 / 48)

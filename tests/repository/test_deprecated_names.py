@@ -4,15 +4,15 @@ FutureWarning, what replaces it; the model's own paths (loading, generate, PEFT)
 from __future__ import annotations
 
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 
 import modeling_deepseek_v41  # noqa: F401
+from repo_paths import DEFAULT_CHECKPOINT
 from transformers import AutoModelForCausalLM
 
-CHECKPOINT = Path(__file__).resolve().parents[1] / "examples" / "default-checkpoint"
+CHECKPOINT = DEFAULT_CHECKPOINT
 DEPRECATED = "deprecated and will be removed in the next release"
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,8 +12,9 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from processing import DeepseekV41ImageProcessor, plan_image, span_token_types
+from repo_paths import FIXTURES
 
-FIXTURE = Path(__file__).parent / "fixtures" / "image-processor"
+FIXTURE = FIXTURES / "image-processor"
 SIZES = json.loads((FIXTURE / "sizes.json").read_text())
 META = json.loads((FIXTURE / "meta.json").read_text())
 # the fixture uses the reference's flat setting names

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import importlib.util
 import re
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from repo_paths import ROOT
+
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 
 

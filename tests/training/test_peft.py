@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,9 +15,10 @@ import modeling_deepseek_v41  # noqa: E402,F401
 from modeling_deepseek_v41.layers.linear import DeepseekV41Linear  # noqa: E402
 from modeling_deepseek_v41.loading.loader import hub_name  # noqa: E402
 from reference_cases import bit_equal  # noqa: E402
+from repo_paths import DEFAULT_CHECKPOINT  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoProcessor, Trainer, TrainingArguments  # noqa: E402
 
-CHECKPOINT = Path(__file__).resolve().parents[1] / "examples" / "default-checkpoint"
+CHECKPOINT = DEFAULT_CHECKPOINT
 NAMES = ["wq_a", "wq_b", "wkv", "wo_b", "w1", "w2", "w3"]
 
 

@@ -18,9 +18,9 @@ from conversion_scripts.presets import engram_table_rows
 from conversion_scripts.streaming import partial_dir
 from conversion_scripts.tiny_tokenizer import CHAT_TOKENS, IMAGE_TOKEN, NOISE_TOKEN, save_tiny_tokenizer
 from modeling_deepseek_v41.model.checkpoint import validate_checkpoint_folder
+from repo_paths import FIXTURES, ROOT
 
-REPO = Path(__file__).resolve().parents[1]
-FIXTURE_CONFIG = REPO / "tests" / "fixtures" / "tiny-text" / "checkpoint" / "config.json"
+FIXTURE_CONFIG = FIXTURES / "tiny-text" / "checkpoint" / "config.json"
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +122,7 @@ def test_cli(tmp_path, capsys):
     result = subprocess.run(
         [sys.executable, "-m", "conversion_scripts.make_random_checkpoint", "--out", str(tmp_path / "cli"),
          "--seed", "1", "--no-vision", "--quiet"],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120,
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 0, result.stderr
     assert make_main(["--out", str(tmp_path / "cli"), "--quiet"]) == 4

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from reference_cases import bit_equal, load_case, load_model
+from repo_paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

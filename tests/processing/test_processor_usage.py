@@ -5,7 +5,6 @@ import io
 import json
 import random
 import shutil
-from pathlib import Path
 
 import jinja2
 import pytest
@@ -15,10 +14,10 @@ from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer, pipel
 
 import modeling_deepseek_v41  # noqa: F401  registers the model with the Auto classes
 from processing import DEFAULT_CHAT_TEMPLATE, DeepseekV41ImageProcessor, DeepseekV41Processor, span_length
+from repo_paths import DEFAULT_CHECKPOINT, FIXTURES
 
-ROOT = Path(__file__).resolve().parents[1]
-DEFAULT = ROOT / "examples" / "default-checkpoint"
-TINY = ROOT / "tests" / "fixtures" / "tiny-vision" / "checkpoint"
+DEFAULT = DEFAULT_CHECKPOINT
+TINY = FIXTURES / "tiny-vision" / "checkpoint"
 BOS = "<｜begin▁of▁sentence｜>"
 PLACEHOLDER = "<｜deepseek_image｜>"
 
@@ -100,7 +99,7 @@ def test_tokenizer_applies_the_chat_template():
     assert ids == tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-@pytest.mark.parametrize("folder", [DEFAULT, TINY, ROOT / "tests" / "fixtures" / "tiny-text" / "checkpoint"],
+@pytest.mark.parametrize("folder", [DEFAULT, TINY, FIXTURES / "tiny-text" / "checkpoint"],
                          ids=lambda folder: folder.parent.name)
 def test_checkpoint_folders_carry_the_template_and_left_padding(folder):
     assert (folder / "chat_template.jinja").read_text(encoding="utf-8") == DEFAULT_CHAT_TEMPLATE

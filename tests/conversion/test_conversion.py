@@ -24,9 +24,9 @@ from conversion_scripts.layout import CheckpointError, quantized_weight_kinds, s
 from conversion_scripts.streaming import partial_dir
 from modeling_deepseek_v41.model.checkpoint import validate_checkpoint_folder
 from modeling_deepseek_v41.kernels.numerics import dequantize_fp4_weight, dequantize_fp8_weight, fp8_dequantize_rows
+from repo_paths import FIXTURES, ROOT
 
-REPO = Path(__file__).resolve().parents[1]
-FIXTURE = REPO / "tests" / "fixtures" / "tiny-text" / "checkpoint"
+FIXTURE = FIXTURES / "tiny-text" / "checkpoint"
 
 
 def read_folder(folder: Path) -> dict[str, torch.Tensor]:
@@ -213,7 +213,7 @@ def test_cli_module_runs(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "conversion_scripts.convert_hub_to_native", "--src", str(FIXTURE), "--dst",
          str(tmp_path / "out"), "--weight-mode", "quantized", "--quiet"],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120,
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "out" / "model.safetensors.index.json").exists()

@@ -8,12 +8,12 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from repo_paths import ROOT
+
 # in the default run (~2 minutes on 2 cores: each block is a fresh interpreter) so that the docs cannot rot
-ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 NEEDS = re.compile(r"^# needs: (released checkpoint|GPU)\b")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ from model_factory import RELEASED_WIDTHS, random_model, schedule_config
 from modeling_deepseek_v41.cache import DeepseekV41Cache
 from modeling_deepseek_v41.layers.hyper_connections import hc_collapse
 from reference_cases import load_case, load_model
+from repo_paths import ROOT
 
 
 def _model(seed: int = 3):
@@ -126,7 +126,7 @@ def test_restore_in_another_process(tmp_path):
                           do_sample=False, pad_token_id=2)
     script = textwrap.dedent(f"""
         import sys, torch
-        sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
+        sys.path.insert(0, {str(ROOT)!r})
         import modeling_deepseek_v41
         from modeling_deepseek_v41.cache import DeepseekV41Cache
         from transformers import AutoModelForCausalLM

@@ -6,7 +6,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "modeling_deepseek_v41"
+from repo_paths import ROOT
+
+PACKAGE = ROOT / "modeling_deepseek_v41"
 NAME = PACKAGE.name
 MAX_LINES = 400
 # bottom to top: a sub-package imports only from itself and those before it

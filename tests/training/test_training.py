@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import copy
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from repo_paths import ROOT
+
+sys.path.insert(0, str(ROOT))
 
 from model_factory import random_model, tiny_config  # noqa: E402
 from reference_cases import FIXTURES  # noqa: E402
