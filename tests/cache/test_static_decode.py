@@ -1,6 +1,6 @@
 """A static cache (`make_static`, what CUDA graph decoding runs on) decodes what a growing cache decodes, and its
 steps are replayable: each step dispatches the same ops with the same shapes and arguments, reads nothing back
-to the host and keeps every cache tensor at its address. The GPU replay itself is checked in test_cuda.py."""
+to the host and keeps every cache tensor at its address. The GPU replay itself is checked in gpu/test_cuda.py."""
 
 from __future__ import annotations
 

@@ -123,7 +123,7 @@ def test_fixture_logits_through_the_kernels(kernel_calls):
         assert rel <= 0.2 and top1 >= 0.7, (row, float(rel), float(top1))
 
 
-@pytest.mark.slow  # as above; the same check runs compiled in tests/test_cuda.py
+@pytest.mark.slow  # as above; the same check runs compiled in tests/gpu/test_cuda.py
 def test_k_token_forward_equals_k_single_steps_through_the_kernels(kernel_calls):
     from modeling_deepseek_v41.cache import DeepseekV41Cache
 
