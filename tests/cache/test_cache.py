@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from model_factory import OTHER_SCHEDULES, RELEASED_WIDTHS, random_model, schedule_config, tiny_config
-from modeling_deepseek_v41 import DeepseekV41Config, DeepseekV41ForCausalLM
+from modeling_deepseek_v41 import DeepseekV41ForCausalLM
 from modeling_deepseek_v41.cache import DeepseekV41Cache
-from reference_cases import FIXTURES, load_case, load_model
+from reference_cases import load_case, load_model
 
 SCHEDULES = {"tiny-text": None, **OTHER_SCHEDULES}
 

@@ -9,7 +9,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from model_factory import random_model, tiny_config
-
 from modeling_deepseek_v41.cache import DeepseekV41Cache
 
 PROMPT, STEPS = 34, 6

@@ -16,14 +16,12 @@ from safetensors.torch import load_file, save_file
 
 import modeling_deepseek_v41  # noqa: F401  (registers the Auto classes)
 from conversion_scripts import convert_hub_to_native as hub_to_native_module
-from conversion_scripts.convert_hub_to_native import convert_hub_to_native
-from conversion_scripts.convert_hub_to_native import main as hub_to_native_main
-from conversion_scripts.convert_native_to_hub import convert_native_to_hub
-from conversion_scripts.convert_native_to_hub import main as native_to_hub_main
+from conversion_scripts.convert_hub_to_native import convert_hub_to_native, main as hub_to_native_main
+from conversion_scripts.convert_native_to_hub import convert_native_to_hub, main as native_to_hub_main
 from conversion_scripts.layout import CheckpointError, quantized_weight_kinds, scale_name
 from conversion_scripts.streaming import partial_dir
-from modeling_deepseek_v41.model.checkpoint import validate_checkpoint_folder
 from modeling_deepseek_v41.kernels.numerics import dequantize_fp4_weight, dequantize_fp8_weight, fp8_dequantize_rows
+from modeling_deepseek_v41.model.checkpoint import validate_checkpoint_folder
 from repo_paths import FIXTURES, ROOT
 
 FIXTURE = FIXTURES / "tiny-text" / "checkpoint"

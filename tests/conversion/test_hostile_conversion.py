@@ -13,10 +13,8 @@ import torch
 from safetensors import safe_open
 
 from conversion_scripts import convert_hub_to_native as hub_to_native_module
-from conversion_scripts.convert_hub_to_native import convert_hub_to_native
-from conversion_scripts.convert_hub_to_native import main as hub_to_native_main
-from conversion_scripts.convert_native_to_hub import convert_native_to_hub
-from conversion_scripts.convert_native_to_hub import main as native_to_hub_main
+from conversion_scripts.convert_hub_to_native import convert_hub_to_native, main as hub_to_native_main
+from conversion_scripts.convert_native_to_hub import convert_native_to_hub, main as native_to_hub_main
 from conversion_scripts.streaming import MANIFEST, NonFiniteWeightError, file_digest, partial_dir
 from modeling_deepseek_v41.kernels.numerics import dequantize_fp8_weight
 from modeling_deepseek_v41.loading.safetensors_file import safetensors_entries

@@ -12,8 +12,7 @@ import pytest
 import torch
 
 import modeling_deepseek_v41  # noqa: F401  (registers the Auto classes)
-from conversion_scripts.make_random_checkpoint import main as make_main
-from conversion_scripts.make_random_checkpoint import make_random_checkpoint
+from conversion_scripts.make_random_checkpoint import main as make_main, make_random_checkpoint
 from conversion_scripts.presets import engram_table_rows
 from conversion_scripts.streaming import partial_dir
 from conversion_scripts.tiny_tokenizer import CHAT_TOKENS, IMAGE_TOKEN, NOISE_TOKEN, save_tiny_tokenizer

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from modeling_deepseek_v41.kernels.linear import row_invariant_linear
-
 from reference_numerics import fma_blocks
 
 @pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="the pinned order is MKL's")

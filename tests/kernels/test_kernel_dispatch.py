@@ -14,7 +14,6 @@ import copy
 import os
 import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,8 +22,7 @@ pytest.importorskip("triton")
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # read when a kernel is defined, so before the kernel modules load
 
-from modeling_deepseek_v41.kernels import gpu_linear  # noqa: E402
-from modeling_deepseek_v41.kernels import numerics  # noqa: E402
+from modeling_deepseek_v41.kernels import gpu_linear, numerics  # noqa: E402
 from reference_cases import load_case, load_model, model_case_dirs  # noqa: E402
 
 TEXT_CASE = next((c for c in model_case_dirs() if c.name == "tiny-text"), None)

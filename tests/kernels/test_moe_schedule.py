@@ -15,8 +15,7 @@ CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"  # read when a kernel is defined, so before the kernel modules load
 
-from modeling_deepseek_v41.kernels.triton.moe_schedule import expert_blocks  # noqa: E402
-from modeling_deepseek_v41.kernels.triton.moe_schedule import expert_schedule  # noqa: E402
+from modeling_deepseek_v41.kernels.triton.moe_schedule import expert_blocks, expert_schedule  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
 

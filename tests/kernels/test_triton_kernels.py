@@ -17,6 +17,8 @@ CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"  # read when a kernel is defined, so before the kernel modules load
 
+from modeling_deepseek_v41.kernels import numerics  # noqa: E402
+from modeling_deepseek_v41.kernels.expert_ops import gathered_swiglu  # noqa: E402
 from modeling_deepseek_v41.kernels.triton import (  # noqa: E402
     dense_linear, fp4_linear, fp4_to_fp8_weight, fp8_act_qdq, fp8_act_quant, fp8_linear, fp8_row_linear,
     grouped_linear, grouped_moe,
@@ -26,8 +28,6 @@ from modeling_deepseek_v41.kernels.triton.linear import (  # noqa: E402
 )
 from modeling_deepseek_v41.kernels.triton.moe import MOE_DECODE_TILE  # noqa: E402
 from modeling_deepseek_v41.kernels.triton.moe_schedule import expert_blocks  # noqa: E402
-from modeling_deepseek_v41.kernels.expert_ops import gathered_swiglu  # noqa: E402
-from modeling_deepseek_v41.kernels import numerics  # noqa: E402
 from modeling_deepseek_v41.layers.linear import DeepseekV41Linear  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"

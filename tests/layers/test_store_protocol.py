@@ -7,9 +7,9 @@ from collections import Counter
 
 import pytest
 import torch
-from model_factory import random_model, tiny_config
 
 import modeling_deepseek_v41.model.backbone as backbone
+from model_factory import random_model, tiny_config
 from modeling_deepseek_v41.cache import DeepseekV41Cache
 from modeling_deepseek_v41.cache.cache_store import CacheStore
 from modeling_deepseek_v41.cache.chunk_store import ChunkStore

@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM
 from transformers.distributed import DistributedConfig
 
 import modeling_deepseek_v41  # noqa: F401
-from modeling_deepseek_v41.loading.tensor_parallel import RemoteExpert
 from model_factory import random_model, tiny_config
+from modeling_deepseek_v41.loading.tensor_parallel import RemoteExpert
 from reference_cases import FIXTURES
 
 CHECKPOINT = str(FIXTURES / "tiny-text" / "checkpoint")

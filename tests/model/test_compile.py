@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 
 from model_factory import random_model, tiny_config
-
 from modeling_deepseek_v41.cache import DeepseekV41Cache
 
 
@@ -39,9 +38,8 @@ def test_inductor_compiles_the_model_on_the_cpu_in_both_weight_modes():
     import json
 
     from model_factory import schedule_config
-    from reference_cases import FIXTURES
-
     from modeling_deepseek_v41 import DeepseekV41Config, DeepseekV41ForCausalLM
+    from reference_cases import FIXTURES
 
     bf16 = schedule_config(dict(
         num_hidden_layers=1, compress_ratios=[2], kv_source_layer_ids=[0], index_source_layer_ids=[0],

@@ -9,8 +9,8 @@ import torch
 
 from modeling_deepseek_v41 import DeepseekV41Config, DeepseekV41ForCausalLM
 from modeling_deepseek_v41.loading.checkpoint_layout import pattern_of
-from modeling_deepseek_v41.model.checkpoint import expected_tensors
 from modeling_deepseek_v41.loading.parameter_count import count_parameters
+from modeling_deepseek_v41.model.checkpoint import expected_tensors
 from reference_cases import FIXTURES
 
 

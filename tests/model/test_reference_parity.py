@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from modeling_deepseek_v41.layers.hyper_connections import hc_collapse
 
+from modeling_deepseek_v41.layers.hyper_connections import hc_collapse
 from reference_cases import load_case, load_model
 from reference_numerics import kernels_round_like_reference
 

@@ -10,11 +10,11 @@ import unittest
 import numpy as np
 import torch
 from transformers import AutoTokenizer
-from transformers_tests import load_transformers_tests, skip_inapplicable
 
 import modeling_deepseek_v41  # noqa: F401  registers the config, so AutoImageProcessor/AutoProcessor know the model
 from processing import DeepseekV41ImageProcessor, DeepseekV41Processor, plan_image
 from repo_paths import FIXTURES
+from transformers_tests import load_transformers_tests, skip_inapplicable
 
 image_common = load_transformers_tests("test_image_processing_common")
 processing_common = load_transformers_tests("test_processing_common")

@@ -7,10 +7,10 @@ import warnings
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 import modeling_deepseek_v41  # noqa: F401
 from repo_paths import DEFAULT_CHECKPOINT
-from transformers import AutoModelForCausalLM
 
 CHECKPOINT = DEFAULT_CHECKPOINT
 DEPRECATED = "deprecated and will be removed in the next release"

@@ -13,7 +13,6 @@ import unittest
 from unittest import mock
 
 import torch
-
 from transformers.models.auto import modeling_auto
 
 from model_factory import schedule_config, tiny_config

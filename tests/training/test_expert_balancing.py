@@ -6,9 +6,9 @@ import functools
 
 import pytest
 import torch
+
 from model_factory import random_model, tiny_config
 from reference_cases import FIXTURES
-
 from training.expert_balancing import (
     ExpertBalanceCallback,
     ExpertBalancer,

@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
-from model_factory import random_model, tiny_config
 
+from model_factory import random_model, tiny_config
 from training.muon import HeadwiseMuon, muon_step, orthogonalize
 from training.optimizer_recipe import (
     DeepseekV41Optimizer,

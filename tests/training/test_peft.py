@@ -11,12 +11,13 @@ from torch import nn
 
 peft = pytest.importorskip("peft")
 
+from transformers import AutoModelForCausalLM, AutoProcessor, Trainer, TrainingArguments  # noqa: E402
+
 import modeling_deepseek_v41  # noqa: E402,F401
 from modeling_deepseek_v41.layers.linear import DeepseekV41Linear  # noqa: E402
 from modeling_deepseek_v41.loading.loader import hub_name  # noqa: E402
 from reference_cases import bit_equal  # noqa: E402
 from repo_paths import DEFAULT_CHECKPOINT  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoProcessor, Trainer, TrainingArguments  # noqa: E402
 
 CHECKPOINT = DEFAULT_CHECKPOINT
 NAMES = ["wq_a", "wq_b", "wkv", "wo_b", "w1", "w2", "w3"]

@@ -15,10 +15,9 @@ from repo_paths import ROOT
 sys.path.insert(0, str(ROOT))
 
 from model_factory import random_model, tiny_config  # noqa: E402
-from reference_cases import FIXTURES  # noqa: E402
-
 from modeling_deepseek_v41.cache import DeepseekV41Cache  # noqa: E402
 from modeling_deepseek_v41.model.generation.dspark import dspark_draft  # noqa: E402
+from reference_cases import FIXTURES  # noqa: E402
 from training.drafter import (  # noqa: E402
     choose_anchors, draftable, drafter_step_loss, dspark_training_logits, freeze_all_but_drafter,
 )

@@ -13,8 +13,7 @@ from transformers import AutoModelForCausalLM
 from model_factory import random_model, tiny_config
 from modeling_deepseek_v41.cache import DeepseekV41Cache
 from modeling_deepseek_v41.layers.dspark import DeepseekV41DSpark
-from modeling_deepseek_v41.model.generation.dspark import dspark_draft
-from modeling_deepseek_v41.model.generation.dspark import verify_count
+from modeling_deepseek_v41.model.generation.dspark import dspark_draft, verify_count
 from reference_cases import FIXTURES, load_case, load_model
 
 

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, AutoProcessor
 
 import modeling_deepseek_v41  # noqa: F401
 from repo_paths import DEFAULT_CHECKPOINT
-from transformers import AutoModelForCausalLM, AutoProcessor
 
 CHECKPOINT = DEFAULT_CHECKPOINT
 
@@ -21,8 +20,9 @@ def model():
 @pytest.fixture(scope="module")
 def picture_inputs():
     """Processor outputs for a chat with a picture: input_ids, attention_mask, token_types, pixel_values, ..."""
-    from training.data import qa_example, random_sample
     import random
+
+    from training.data import qa_example, random_sample
 
     processor = AutoProcessor.from_pretrained(CHECKPOINT)
     example = qa_example(random_sample(random.Random(4)), 1)
