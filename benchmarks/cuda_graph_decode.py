@@ -24,7 +24,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_suite import build_model, intree_v4_decode, medium_config, timed  # noqa: E402
-
 from modeling_deepseek_v41.cache import DeepseekV41Cache  # noqa: E402
 from modeling_deepseek_v41.model.generation import DeepseekV41CUDAGraphDecoder  # noqa: E402
 

@@ -18,7 +18,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from model_factory import random_model, tiny_config  # noqa: E402
-
 from modeling_deepseek_v41.cache import DeepseekV41Cache  # noqa: E402
 from modeling_deepseek_v41.layers.indexer import DeepseekV41Indexer  # noqa: E402
 

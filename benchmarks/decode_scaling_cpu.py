@@ -31,11 +31,11 @@ args = parser.parse_args()
 sys.path[:0] = [args.root, str(Path(args.root) / "benchmarks")]
 
 import torch  # noqa: E402
-from gpu_suite import build_model, medium_config  # noqa: E402
 
+import modeling_deepseek_v41.kernels.sparse_attention as sparse  # noqa: E402
 import modeling_deepseek_v41.layers.attention as attention  # noqa: E402
 import modeling_deepseek_v41.layers.indexer as indexer  # noqa: E402
-import modeling_deepseek_v41.kernels.sparse_attention as sparse  # noqa: E402
+from gpu_suite import build_model, medium_config  # noqa: E402
 from modeling_deepseek_v41.cache import DeepseekV41Cache  # noqa: E402
 
 REAL = {"index": indexer.DeepseekV41Indexer.forward, "window": attention.DeepseekV41Attention._window,

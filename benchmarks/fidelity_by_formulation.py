@@ -17,10 +17,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]
 
-from reference_cases import load_case, load_model, model_case_dirs  # noqa: E402
-
 import modeling_deepseek_v41.kernels.expert_ops as expert_ops  # noqa: E402
 import modeling_deepseek_v41.kernels.sparse_attention as sparse_attention  # noqa: E402
+from reference_cases import load_case, load_model, model_case_dirs  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 MODULES = [m for name, m in list(sys.modules.items()) if name.startswith("modeling_deepseek_v41")]

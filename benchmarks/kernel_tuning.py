@@ -18,12 +18,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from triton_kernels import HBM, copies, graph_ms, random_fp4, random_fp8  # noqa: E402
-from triton_kernels import LINEARS as ATTENTION_AND_SHARED  # noqa: E402
 
 from modeling_deepseek_v41.kernels.triton import fp8_act_qdq, grouped_moe  # noqa: E402
 from modeling_deepseek_v41.kernels.triton.common import FMT_FP4_ROW, FMT_FP8_TILE  # noqa: E402
 from modeling_deepseek_v41.kernels.triton.linear import run_linear  # noqa: E402
+from triton_kernels import HBM, LINEARS as ATTENTION_AND_SHARED, copies, graph_ms, random_fp4, random_fp8  # noqa: E402
 
 LINEARS = [(name, n, k, "fp8") for name, n, k in ATTENTION_AND_SHARED] + [("expert_w1", 2304, 5120, "fp4")]
 TILES = [dict(BN=bn, BM=bm, BK=bk, num_warps=w, num_stages=st) for bn, bm, bk, w, st in

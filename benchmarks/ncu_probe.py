@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from triton_kernels import LINEARS, random_fp4, random_fp8  # noqa: E402
 
 from modeling_deepseek_v41.kernels.triton import fp8_linear, grouped_moe  # noqa: E402
+from triton_kernels import LINEARS, random_fp4, random_fp8  # noqa: E402
 
 SHAPES = {name: (n, k) for name, n, k in LINEARS}
 

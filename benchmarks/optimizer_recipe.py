@@ -36,7 +36,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from model_factory import random_model, tiny_config  # noqa: E402
-
 from training.expert_balancing import ExpertBalancer  # noqa: E402
 from training.optimizer_recipe import create_optimizer  # noqa: E402
 

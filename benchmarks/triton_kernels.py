@@ -14,9 +14,9 @@ import traceback
 import torch
 import torch.nn.functional as F
 
+from modeling_deepseek_v41.kernels.expert_ops import gathered_swiglu
 from modeling_deepseek_v41.kernels.triton import (dense_linear, fp4_linear, fp4_to_fp8_weight, fp8_linear,
                                                   fp8_row_linear, grouped_moe)
-from modeling_deepseek_v41.kernels.expert_ops import gathered_swiglu
 from modeling_deepseek_v41.layers.linear import DeepseekV41Linear
 
 HBM = 4.8e12  # bytes/s, H200 datasheet

@@ -45,8 +45,9 @@ def outputs(model, device) -> dict:
 
 
 def load(folder, **kwargs):
-    import modeling_deepseek_v41  # noqa: F401
     from transformers import AutoModelForCausalLM
+
+    import modeling_deepseek_v41  # noqa: F401
 
     return AutoModelForCausalLM.from_pretrained(folder, **kwargs)
 

@@ -19,9 +19,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import modeling_deepseek_v41  # noqa: E402,F401  (registers the model and processor with the Auto classes)
 from transformers import AutoModelForCausalLM, AutoProcessor, pipeline  # noqa: E402
 
+import modeling_deepseek_v41  # noqa: E402,F401  (registers the model and processor with the Auto classes)
 from training.data import MAIN_QUESTION, ShapeSample, draw_shape  # noqa: E402
 
 DEFAULT_CHECKPOINT = ROOT / "examples" / "default-checkpoint"

@@ -10,6 +10,8 @@ os.environ.setdefault("MKL_CBWR", "AVX2,STRICT")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# the test modules sit in folders that mirror the package (tests/cache/, tests/model/generation/, ...); the shared
+# helpers at this root (model_factory, reference_cases, repo_paths, ...) import from each of them
 sys.path.insert(0, str(Path(__file__).parent))
 
 from reference_cases import model_case_dirs  # noqa: E402

@@ -91,8 +91,9 @@ def load_case(folder: str) -> ReferenceCase:
 @functools.lru_cache(maxsize=None)
 def load_model(folder: str):
     """The case's checkpoint loaded as shipped (quantized weight mode), in eval mode."""
-    import modeling_deepseek_v41  # noqa: F401  (registers the Auto classes)
     from transformers import AutoModelForCausalLM
+
+    import modeling_deepseek_v41  # noqa: F401  (registers the Auto classes)
 
     model = AutoModelForCausalLM.from_pretrained(Path(folder) / "checkpoint")
     return model.eval()

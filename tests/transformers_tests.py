@@ -87,11 +87,12 @@ SKIPPED: dict[str, dict[str, str]] = {
     "ModelTesterMixin": {
         "test_generation_tester_mixin_inheritance": (
             "GenerationTesterMixin lives in tests/generation/, which the sdist leaves out (the harness has an empty "
-            "stand-in); what it checks is tested in tests/test_generation_conformance.py"
+            "stand-in); what it checks is tested in tests/model/generation/test_generation_conformance.py"
         ),
         "test_determinism": (
             "converts the outputs to numpy, which has no bfloat16: this model's outputs are bf16 by the reference's "
-            "numerics contract (equal repeated forwards: tests/test_modeling_conventions.py::test_forward_is_deterministic)"
+            "numerics contract (equal repeated forwards: tests/repository/test_modeling_conventions.py::"
+            "test_forward_is_deterministic)"
         ),
         **{f"test_model_rope_scaling_from_config_{case}": (
             "runs 1.5 x max_position_embeddings tokens, which this model refuses with a ValueError (DESIGN.md "
@@ -100,25 +101,25 @@ SKIPPED: dict[str, dict[str, str]] = {
         "test_model_weights_reload_no_missing_tied_weights": (
             "replaces every weight file with one unrelated tensor and expects a load that reports them missing; "
             "DESIGN.md section 8 refuses such a checkpoint before any weight is read, naming the missing and "
-            "unexpected tensors (tests/test_loading.py)"
+            "unexpected tensors (tests/loading/test_loading.py)"
         ),
         "test_reverse_loading_mapping": (
             "asserts that save_pretrained writes the hub's names by default; this model writes the names of "
             "state_dict() by default, so that Trainer's resume, accelerate's load_checkpoint_and_dispatch and "
             "load_state_dict read its checkpoints, and the hub's names with save_original_format=True (both round "
-            "trips: tests/test_modeling_conventions.py::"
+            "trips: tests/repository/test_modeling_conventions.py::"
             "test_save_pretrained_writes_the_state_dict_names_and_the_hub_names_on_request)"
         ),
         "test_bc_torch_dtype": (
             "loads with float16, which this model refuses with a clear error (the reference's activations exceed "
             "float16's range); torch_dtype= and dtype= agree for the supported dtypes: "
-            "tests/test_modeling_conventions.py::test_torch_dtype_is_an_alias_of_dtype"
+            "tests/repository/test_modeling_conventions.py::test_torch_dtype_is_an_alias_of_dtype"
         ),
     },
     "ModelTesterMixin with Engram": {
         **{name: (
             "passes inputs_embeds without input_ids; Engram layers hash the token ids, so an Engram config refuses it "
-            "with a ValueError that names the fix (tests/test_modeling_conventions.py::"
+            "with a ValueError that names the fix (tests/repository/test_modeling_conventions.py::"
             "test_inputs_embeds_without_ids_is_refused_with_engram_layers); DeepseekV41ModelTest runs it without Engram"
         ) for name in ("test_inputs_embeds", "test_inputs_embeds_matches_input_ids")},
     },
@@ -126,7 +127,8 @@ SKIPPED: dict[str, dict[str, str]] = {
         **{
             f"test_apply_chat_template_image_{index}": (
                 "expects one pixel_values row per image; DeepSeek-ViT returns one row per 14x14 patch (the same "
-                "checks, with patch counts: test_processor_conventions.py::test_chat_template_with_image_urls)"
+                "checks, with patch counts: tests/processing/test_processor_conventions.py::"
+                "test_chat_template_with_image_urls)"
             )
             for index in (0, 1)
         },

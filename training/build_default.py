@@ -17,7 +17,6 @@ Stages (fixed seeds, CPU):
 from __future__ import annotations
 
 import json
-import math
 import random
 import shutil
 import tempfile

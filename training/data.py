@@ -121,8 +121,8 @@ def python_doc_text() -> str:
     import collections
     import contextlib
     import dataclasses
-    import inspect
     import functools
+    import inspect
     import io
     import itertools
     import json

@@ -6,7 +6,7 @@ import random
 
 from torch.utils.data import Dataset
 
-from .data import QUESTIONS, SHAPES, COLOURS, qa_example, random_sample
+from .data import COLOURS, QUESTIONS, SHAPES, qa_example, random_sample
 
 
 class ShapeQADataset(Dataset):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
+from ..config.layer_plan import LayerPlan
 from .chunk import check_crop, check_make_static
 from .columns import ColumnLog
 from .fingerprint import cache_signature
@@ -16,7 +17,6 @@ from .persistence import load_cache, save_cache
 from .pool import Pool
 from .ring import Ring
 from .row_indices import check_row_indices
-from ..config.layer_plan import LayerPlan
 
 DEFAULT_CROP_HORIZON = 64
 

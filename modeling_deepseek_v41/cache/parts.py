@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.numerics import compute_dtype
 from .columns import ColumnLog
 from .pool import Pool
 from .ring import Ring
-from ..kernels.numerics import compute_dtype
 
 
 def allocate_parts(specs, text_config, crop_horizon: int, batch: int, device: torch.device,

@@ -20,8 +20,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save
 
-from .fingerprint import fingerprint, fingerprint_mismatch
 from ..layers.engram_hashing import DEAD
+from .fingerprint import fingerprint, fingerprint_mismatch
 
 FORMAT_VERSION = "2"  # 2: fingerprint parts (weights, token map, config) and one checksum over header and payload
 _READ_ERRORS = (SafetensorError, OSError, ValueError, RuntimeError, KeyError, TypeError, OverflowError,

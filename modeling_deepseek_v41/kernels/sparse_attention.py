@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch.nn import functional as F
-
-from typing import NamedTuple
 
 from .dispatch import fast_path, kernel_path
 from .numerics import compute_dtype, fp4_dequantize_rows, fp8_act_qdq, fp8_dequantize_rows

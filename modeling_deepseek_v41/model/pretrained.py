@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel
-from transformers import initialization as init
+from transformers import PreTrainedModel, initialization as init
 
 from ..config.configuration_deepseek_v41 import DeepseekV41Config
 from ..kernels.linear import STORAGE_FP4, STORAGE_FP8

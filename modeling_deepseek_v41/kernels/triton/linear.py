@@ -26,8 +26,8 @@ import triton.language as tl
 
 from .common import (FMT_DENSE, FMT_FP4_ROW, FMT_FP8_ROW, FMT_FP8_TILE, FP8_TILE, arrive_last, cast, dot_k_range,
                      k_slice, sum_partials, weight_scale, weight_slice)
-from .quant import fp8_act_qdq, fp8_act_quant
 from .fp32_rows import fp32_rows_linear
+from .quant import fp8_act_qdq, fp8_act_quant
 from .workspace import split_buffers
 
 DECODE_MAX_ROWS = 256

@@ -17,9 +17,9 @@ import triton.language as tl
 from .common import (FMT_DENSE, FMT_FP4_ROW, FMT_FP8_ROW, abs_max, arrive_last, cast, dot_k_range,
                      fp4_f16_dot_k_range, pow2_ceil_scale, round_e4m3, sum_partials)
 from .linear import _TL_DTYPES, dot_dtype_for, launch_tile
-from .workspace import split_buffers
 from .moe_schedule import moe_schedule
 from .quant import fp8_act_qdq, fp8_act_quant
+from .workspace import split_buffers
 
 MOE_DECODE_MAX_TOKENS = 256
 MOE_DECODE_TILE = {"BN": 64, "BM": 16, "BK": 128, "num_warps": 4, "num_stages": 3}
