@@ -60,7 +60,7 @@ class DeepseekV41CUDAGraphDecoder:
         if self.steps >= self.max_new_tokens:
             raise ValueError(f"This decoder was made for {self.max_new_tokens} steps; create a new one to go on.")
         self.steps += 1
-        if self.steps == 1:  # eager: compiles the fused helpers and builds the expert stacks before recording
+        if self.steps == 1:  # eager: compiles the Triton kernels and builds the expert stacks before recording
             return self.model(input_ids.to(self.input_ids.device), cache=self.cache).logits
         self.input_ids.copy_(input_ids)
         if self.graph is None:
