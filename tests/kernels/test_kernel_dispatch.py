@@ -26,7 +26,11 @@ from modeling_deepseek_v41.kernels import gpu_linear, numerics  # noqa: E402
 from reference_cases import load_case, load_model, model_case_dirs  # noqa: E402
 
 TEXT_CASE = next((c for c in model_case_dirs() if c.name == "tiny-text"), None)
-pytestmark = pytest.mark.skipif(TEXT_CASE is None, reason="the tiny-text fixture is not present")
+pytestmark = [
+    pytest.mark.skipif(TEXT_CASE is None, reason="the tiny-text fixture is not present"),
+    # the kernels run on CPU tensors only in the interpreter; on a GPU tests/gpu/test_cuda.py checks the same on CUDA
+    pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter dispatch check (CPU tensors); see tests/gpu"),
+]
 KERNELS = ("fp8_linear", "fp4_linear", "dense_linear", "grouped_linear", "grouped_moe", "fp8_dequantize",
            "fp4_dequantize", "linear_pair")
 # FP4 experts: inside grouped_moe; wq_a with wkv and the shared expert's w1 with w3: linear_pair
