@@ -1,13 +1,16 @@
 """Which accelerator formulation moves the fixtures' logits: the Triton kernels, the closed-form attention, the
 gathered MoE and the other fast paths switched off one at a time, each variant's logits against the reference's
 (median per-row relative L2 / top-1 agreement, the fixtures' README measures). Meant for a GPU; on the CPU every
-variant is the exact path.
+variant is the exact path. `--by-module` adds one variant per module with kernels: its kernels alone on. With
+images, the vision tower's output is pinned to the reference's (`aligner_output.image0`) in a second pass, so that
+what the language model's formulations do is seen apart from a cuBLAS rounding in the aligner.
 
-    python benchmarks/fidelity_by_formulation.py
+    python benchmarks/fidelity_by_formulation.py [--by-module]
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
 import sys
 from pathlib import Path
@@ -36,9 +39,11 @@ def never(x: torch.Tensor) -> bool:
     return False
 
 
-def choose(kernels: bool = True, attention: bool = True, moe: bool = True, others: bool = True) -> None:
+def choose(kernels: bool = True, attention: bool = True, moe: bool = True, others: bool = True,
+           only=None) -> None:
+    """Switch formulations off; `only`: the one module whose kernels stay on (the others' are off)."""
     for module, predicate in KERNEL_PATHS.items():
-        module.kernel_path = predicate if kernels else never
+        module.kernel_path = predicate if kernels and (only is None or module is only) else never
     for module, predicate in FAST_PATHS.items():
         module.fast_path = predicate if others else never
     sparse_attention.fast_path = FAST_PATHS[sparse_attention] if attention else never
@@ -52,18 +57,31 @@ def agreement(logits: torch.Tensor, expected: torch.Tensor) -> str:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--by-module", action="store_true", help="also each module's kernels alone")
+    args = parser.parse_args()
+    variants = list(VARIANTS)
+    if args.by_module:
+        variants += [(f"only {m.__name__.split('.')[-1]} kernels", dict(only=m)) for m in KERNEL_PATHS]
     print(f"device {DEVICE}, TF32 matmul {torch.backends.cuda.matmul.allow_tf32}", flush=True)
     for case_dir in model_case_dirs():
         case = load_case(case_dir)
         model = copy.deepcopy(load_model(str(case_dir))).to(DEVICE).eval()
         inputs = {k: v.to(DEVICE) for k, v in case.model_inputs().items()}
         clean = [int(c) for c in case.expected["clean_prefix"]]
-        for label, switches in VARIANTS:
-            choose(**switches)
-            with torch.no_grad():
-                logits = model(**inputs).logits
-            rows = [agreement(logits[r, :c], case.expected["logits"][r, :c]) for r, c in enumerate(clean)]
-            print(f"{case_dir.name:<14} {label:<28}", " ".join(rows), flush=True)
+        pinned = case.expected.get("aligner_output.image0")
+        for pin in (False, True) if pinned is not None else (False,):
+            hook = model.model.aligner.register_forward_hook(
+                lambda module, args, out: pinned.to(out.device, out.dtype).view_as(out)) if pin else None
+            for label, switches in variants:
+                choose(**switches)
+                with torch.no_grad():
+                    logits = model(**inputs).logits
+                rows = [agreement(logits[r, :c], case.expected["logits"][r, :c]) for r, c in enumerate(clean)]
+                name = case_dir.name + (" (aligner pinned)" if pin else "")
+                print(f"{name:<30} {label:<32}", " ".join(rows), flush=True)
+            if hook is not None:
+                hook.remove()
         choose()
 
 

@@ -131,19 +131,27 @@ def _stored_case(dtype: torch.dtype, batch: int, seq: int, heads: int, dim: int,
     return q, rotation, positions, ring, pool, selected, sink
 
 
+# bf16: the reference's online softmax rounds each block's probabilities against its running max, so the blocks
+# must be the reference's (64 entries of the window-then-pool list); a block layout of its own moves a bf16 result
+# by about 1e-3 (measured 1.2e-3 with the pool starting in a new block), where only fp32 summation order is left
+BF16_ATTENTION = 1e-4 if DEVICE == "cpu" else 4e-3  # CUDA: bf16 tensor-core dots, not yet measured tighter
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("start", [5, 150])  # a ring still filling, and one that wrapped
-def test_stored_attention_computes_the_exact_attention(dtype, start):
+@pytest.mark.parametrize("window,width", [(96, 96), (128, 41)])  # blocks where the window ends and the pool begins
+def test_stored_attention_computes_the_exact_attention(dtype, start, window, width):
     q, rotation, positions, ring, pool, selected, sink = _stored_case(
-        dtype, batch=2, seq=2, heads=3, dim=128, window=96, slots=120, pool_rows=100, topk=70, start=start)
+        dtype, batch=2, seq=2, heads=3, dim=128, window=window, slots=192, pool_rows=100, topk=70, start=start)
+    ring = ring._replace(width=width)  # a growing cache lists min(window, its length) entries
     floor = torch.tensor([0, start - 20]) if start > 20 else None
     with torch.no_grad():
-        ref = attend_stored(q, rotation, 16, positions, 96, floor, ring, pool, selected, sink, 0.09)
+        ref = attend_stored(q, rotation, 16, positions, window, floor, ring, pool, selected, sink, 0.09)
         dev = lambda t: t.to(DEVICE)  # noqa: E731
-        out = stored_attention(dev(q), dev(rotation), 16, dev(positions), None if floor is None else dev(floor), 96,
-                               StoredWindow(*map(dev, ring[:3]), ring.width), StoredPool(*map(dev, pool)),
+        out = stored_attention(dev(q), dev(rotation), 16, dev(positions), None if floor is None else dev(floor),
+                               window, StoredWindow(*map(dev, ring[:3]), ring.width), StoredPool(*map(dev, pool)),
                                dev(selected), dev(sink), 0.09)
-    assert _rel(out, ref) <= (EXACT if dtype == torch.float64 else 4e-3)
+    assert _rel(out, ref) <= (EXACT if dtype == torch.float64 else BF16_ATTENTION)
     assert (out[0, 0].abs().max() == 0) == (positions[0, 0] < 0)
 
 
@@ -157,7 +165,7 @@ def test_stored_attention_without_a_pool_and_a_short_listing(dtype):
         out = stored_attention(*(t.to(DEVICE) for t in (q, rotation)), 16, positions.to(DEVICE), None, 128,
                                StoredWindow(*(t.to(DEVICE) for t in ring[:3]), ring.width), None, None,
                                sink.to(DEVICE), 0.1)
-    assert _rel(out, ref) <= (EXACT if dtype == torch.float64 else 4e-3)
+    assert _rel(out, ref) <= (EXACT if dtype == torch.float64 else BF16_ATTENTION)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -103,40 +103,44 @@ def _query_row(r, S, pos_ptr, floor_ptr, window, HAS_FLOOR: tl.constexpr):
 
 
 @triton.jit
-def _block_entries(j, n_window, lane, r, b, p, lowest, lowest_visible, width, ring_size, n_topk, ring_pos_ptr,
-                   topk_ptr, stride_rpb, stride_tr, HAS_FLOOR: tl.constexpr):
-    """Block j of the row's entry list: (whether it is a window block, the ring slots or pool rows [BL] it lists,
-    their validity). `width` window entries come first, oldest first, from the ring (an empty or overwritten slot
-    holds another position), then the selected pool rows in selection order (-1: none)."""
-    if j < n_window:
-        listed = lowest + j * lane.shape[0] + lane
-        index = listed % ring_size
-        valid = (listed <= p) & (j * lane.shape[0] + lane < width)  # listed >= 0: a padded query lists nothing
-        if HAS_FLOOR:
-            valid = valid & (listed >= lowest_visible)
-        valid = valid & (tl.load(ring_pos_ptr + b * stride_rpb + index, mask=valid, other=-1) == listed)
-    else:
-        start = (j - n_window) * lane.shape[0]
-        pick = tl.load(topk_ptr + r * stride_tr + start + lane, mask=start + lane < n_topk, other=-1)
-        valid = pick >= 0
-        index = tl.where(valid, pick, 0)
-    return j < n_window, index, valid
+def _block_entries(j, lane, r, b, p, lowest, lowest_visible, width, ring_size, n_topk, ring_pos_ptr, topk_ptr,
+                   stride_rpb, stride_tr, HAS_FLOOR: tl.constexpr):
+    """Block j of the row's entry list in the reference's order (its softmax blocks): `width` window entries
+    first, oldest first, from the ring (an empty or overwritten slot holds another position), then the selected
+    pool rows in selection order (-1: none); a block may hold both. Returns (window entry or not, ring slot or
+    pool row, validity), each [BL]."""
+    k = j * lane.shape[0] + lane
+    in_window = k < width
+    listed = lowest + k
+    slot = listed % ring_size
+    window_ok = in_window & (listed <= p)  # listed >= 0: a padded query lists nothing
+    if HAS_FLOOR:
+        window_ok = window_ok & (listed >= lowest_visible)
+    window_ok = window_ok & (tl.load(ring_pos_ptr + b * stride_rpb + slot, mask=window_ok, other=-1) == listed)
+    pick = tl.load(topk_ptr + r * stride_tr + (k - width), mask=(k >= width) & (k - width < n_topk), other=-1)
+    pool_ok = (k >= width) & (pick >= 0)
+    return in_window, tl.where(in_window, slot, tl.where(pool_ok, pick, 0)), window_ok | pool_ok
 
 
 @triton.jit
-def _entry_chunk(in_window, index, valid, ring_codes, ring_scales, pool_codes, pool_scales, c0, D: tl.constexpr,
-                 DC: tl.constexpr, DOT: tl.constexpr):
-    if in_window:
+def _entry_chunk(j, width, in_window, index, valid, ring_codes, ring_scales, pool_codes, pool_scales, c0,
+                 D: tl.constexpr, BL: tl.constexpr, DC: tl.constexpr, DOT: tl.constexpr):
+    """Dims c0 .. c0+DC of block j's entries [BL, DC] (zero where not valid), from the ring, the pool or both."""
+    if (j + 1) * BL <= width:
         e = _window_chunk(ring_codes, ring_scales, index, valid, c0, D, DC, DOT)
-    else:
+    elif j * BL >= width:
         e = _pool_chunk(pool_codes, pool_scales, index, valid, c0, D, DC, DOT)
+    else:  # the block where the window ends and the pool rows begin
+        from_ring = _window_chunk(ring_codes, ring_scales, index, valid & in_window, c0, D, DC, DOT)
+        e = tl.where(in_window[:, None], from_ring,
+                     _pool_chunk(pool_codes, pool_scales, index, valid & ~in_window, c0, D, DC, DOT))
     return e
 
 
 @triton.jit
 def _attention_logits_kernel(q_ptr, rot_ptr, logits_ptr, pos_ptr, floor_ptr, ring_codes_ptr, ring_scales_ptr,
                              ring_pos_ptr, pool_codes_ptr, pool_scales_ptr, topk_ptr, S, H, window, width, ring_size,
-                             n_topk, n_window, n_blocks, softmax_scale, stride_rcb, stride_rsb, stride_rpb, stride_pcb,
+                             n_topk, n_blocks, softmax_scale, stride_rcb, stride_rsb, stride_rpb, stride_pcb,
                              stride_psb, stride_tr, D: tl.constexpr, ROPE: tl.constexpr, BH: tl.constexpr,
                              BL: tl.constexpr, DC: tl.constexpr, HAS_FLOOR: tl.constexpr, ACC: tl.constexpr,
                              DOT: tl.constexpr, IEEE: tl.constexpr):
@@ -147,13 +151,14 @@ def _attention_logits_kernel(q_ptr, rot_ptr, logits_ptr, pos_ptr, floor_ptr, rin
     h_ok = heads < H
     b, p, lowest, lowest_visible = _query_row(r, S, pos_ptr, floor_ptr, window, HAS_FLOOR)
     lane = tl.arange(0, BL)
-    in_window, index, valid = _block_entries(j, n_window, lane, r, b, p, lowest, lowest_visible, width, ring_size,
-                                             n_topk, ring_pos_ptr, topk_ptr, stride_rpb, stride_tr, HAS_FLOOR)
+    in_window, index, valid = _block_entries(j, lane, r, b, p, lowest, lowest_visible, width, ring_size, n_topk,
+                                             ring_pos_ptr, topk_ptr, stride_rpb, stride_tr, HAS_FLOOR)
     logits = tl.full([BH, BL], 0.0, ACC)
     for c0 in tl.static_range(0, D, DC):
         q = _query_chunk(q_ptr, rot_ptr, r, heads, h_ok, H, c0, D, ROPE, DC, ACC, DOT)
-        e = _entry_chunk(in_window, index, valid, ring_codes_ptr + b * stride_rcb, ring_scales_ptr + b * stride_rsb,
-                         pool_codes_ptr + b * stride_pcb, pool_scales_ptr + b * stride_psb, c0, D, DC, DOT)
+        e = _entry_chunk(j, width, in_window, index, valid, ring_codes_ptr + b * stride_rcb,
+                         ring_scales_ptr + b * stride_rsb, pool_codes_ptr + b * stride_pcb,
+                         pool_scales_ptr + b * stride_psb, c0, D, BL, DC, DOT)
         logits += _dot(q, tl.trans(e), IEEE)
     logits = tl.where(valid[None, :], logits, -float("inf")) * softmax_scale
     tl.store(logits_ptr + ((r * H + heads) * n_blocks + j)[:, None] * BL + lane[None, :], logits, mask=h_ok[:, None])
@@ -162,7 +167,7 @@ def _attention_logits_kernel(q_ptr, rot_ptr, logits_ptr, pos_ptr, floor_ptr, rin
 @triton.jit
 def _attention_output_kernel(rot_ptr, logits_ptr, o_ptr, sink_ptr, pos_ptr, floor_ptr, ring_codes_ptr,
                              ring_scales_ptr, ring_pos_ptr, pool_codes_ptr, pool_scales_ptr, topk_ptr, S, H, window,
-                             width, ring_size, n_topk, n_window, n_blocks, stride_rcb, stride_rsb, stride_rpb,
+                             width, ring_size, n_topk, n_blocks, stride_rcb, stride_rsb, stride_rpb,
                              stride_pcb, stride_psb, stride_tr, D: tl.constexpr, ROPE: tl.constexpr,
                              BH: tl.constexpr, BL: tl.constexpr, DO: tl.constexpr, HAS_FLOOR: tl.constexpr,
                              ROUND_P: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr):
@@ -179,13 +184,13 @@ def _attention_output_kernel(rot_ptr, logits_ptr, o_ptr, sink_ptr, pos_ptr, floo
     den = tl.full([BH], 0.0, ACC)
     acc = tl.full([BH, DO], 0.0, ACC)
     for j in range(0, n_blocks):
-        in_window, index, valid = _block_entries(j, n_window, lane, r, b, p, lowest, lowest_visible, width,
-                                                 ring_size, n_topk, ring_pos_ptr, topk_ptr, stride_rpb, stride_tr,
-                                                 HAS_FLOOR)
+        in_window, index, valid = _block_entries(j, lane, r, b, p, lowest, lowest_visible, width, ring_size,
+                                                 n_topk, ring_pos_ptr, topk_ptr, stride_rpb, stride_tr, HAS_FLOOR)
         logits = tl.load(logits_ptr + ((r * H + heads) * n_blocks + j)[:, None] * BL + lane[None, :],
                          mask=h_ok[:, None], other=-float("inf"))
-        e = _entry_chunk(in_window, index, valid, ring_codes_ptr + b * stride_rcb, ring_scales_ptr + b * stride_rsb,
-                         pool_codes_ptr + b * stride_pcb, pool_scales_ptr + b * stride_psb, o0, D, DO, DOT)
+        e = _entry_chunk(j, width, in_window, index, valid, ring_codes_ptr + b * stride_rcb,
+                         ring_scales_ptr + b * stride_rsb, pool_codes_ptr + b * stride_pcb,
+                         pool_scales_ptr + b * stride_psb, o0, D, BL, DO, DOT)
         m_new = tl.maximum(m, reduce_max(logits, 1))
         rescale = tl.exp(m - m_new)
         probs = tl.exp(logits - m_new[:, None])
@@ -226,15 +231,13 @@ def stored_attention(q: torch.Tensor, rotation: torch.Tensor, rope_dim: int, pos
     acc = tl.float64 if q.dtype == torch.float64 else tl.float32
     dot = tl.float64 if q.dtype == torch.float64 else tl.float32 if q.device.type == "cpu" else tl.bfloat16
     dc, do = min(QK_CHUNK, dim), min(OUT_CHUNK, dim)
-    n_window = triton.cdiv(ring.width, BLOCK_ENTRIES)
-    n_blocks = n_window + (triton.cdiv(topk.shape[1], BLOCK_ENTRIES) if has_pool else 0)
+    n_blocks = triton.cdiv(ring.width + (topk.shape[1] if has_pool else 0), BLOCK_ENTRIES)
     rows = batch * seq
     logits = torch.empty(rows, heads, max(n_blocks, 1) * BLOCK_ENTRIES, dtype=torch.float32 if acc == tl.float32
                          else torch.float64, device=q.device)
     floor_arg = pos if floor is None else floor.contiguous()
     storage = (ring.codes, ring.scales, ring.positions, pool_codes, pool_scales, topk)
-    shapes = (seq, heads, window, ring.width, ring.codes.shape[1], topk.shape[1] if has_pool else 0, n_window,
-              n_blocks)
+    shapes = (seq, heads, window, ring.width, ring.codes.shape[1], topk.shape[1] if has_pool else 0, n_blocks)
     strides = (ring.codes.stride(0), ring.scales.stride(0), ring.positions.stride(0), pool_codes.stride(0),
                pool_scales.stride(0), topk.stride(0))
     common = dict(D=dim, ROPE=rope_dim, BL=BLOCK_ENTRIES, HAS_FLOOR=floor is not None, ACC=acc, DOT=dot,
