@@ -4,6 +4,8 @@ static decode, persistence and byte accounting; a forward reaches the parts thro
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers.cache_utils import Cache
 
@@ -12,7 +14,7 @@ from .chunk import check_crop, check_make_static
 from .columns import ColumnLog
 from .fingerprint import cache_signature
 from .layer_view import DeepseekV41LayerView
-from .parts import allocate_parts, parts_nbytes
+from .parts import allocate_parts, copy_state, parts_nbytes, same_layout
 from .persistence import load_cache, save_cache
 from .pool import Pool
 from .ring import Ring
@@ -152,6 +154,25 @@ class DeepseekV41Cache(Cache):
         check_make_static(self, columns)
         for part in (self.log, *self.pools.values(), *self.rings.values()):
             part.fix(columns)
+
+    def static_parts(self) -> tuple:
+        """(log, rings, pools): the buffers a static cache's recorded steps use, for `adopt_static_parts`."""
+        return self.log, self.rings, self.pools
+
+    def adopt_static_parts(self, parts: tuple) -> bool:
+        """Move this static cache's state into `parts` (another static cache's, of the same capacity, rows and
+        layers, whose recorded CUDA graphs then replay this cache's steps) and use them from now on. False, with
+        nothing changed, when the layouts differ. `own_parts` ends the sharing."""
+        if not self.is_static or not same_layout(parts, self.static_parts()):
+            return False
+        for into, source in zip(parts, self.static_parts()):
+            copy_state(into, source)
+        self.log, self.rings, self.pools = parts
+        return True
+
+    def own_parts(self) -> None:
+        """Copies of the parts, so that the ones adopted (still held by their recorded graphs) stay with them."""
+        self.log, self.rings, self.pools = copy.deepcopy(self.static_parts())
 
     def end_static(self) -> None:
         """Back to growing buffers (any forward is allowed again)."""

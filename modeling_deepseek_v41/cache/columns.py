@@ -27,10 +27,12 @@ class Columns:
         self.buffer.scatter_(1, index.expand(self.buffer.shape[0], -1), values.to(self.buffer.dtype))
 
     def reserve(self, columns: int) -> None:
-        if columns > self.buffer.shape[1]:
-            grown = self.buffer.new_zeros(self.buffer.shape[0], columns)
-            grown[:, : self.buffer.shape[1]] = self.buffer
-            self.buffer = grown
+        """Exactly `columns` columns of capacity (equal capacities, equal shapes); the caller holds none past them."""
+        if columns != self.buffer.shape[1]:
+            resized = self.buffer.new_zeros(self.buffer.shape[0], columns)
+            kept = min(columns, self.buffer.shape[1])
+            resized[:, :kept] = self.buffer[:, :kept]
+            self.buffer = resized
 
     def view(self, start: int, end: int) -> torch.Tensor:
         return self.buffer[:, start:end]

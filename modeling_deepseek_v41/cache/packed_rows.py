@@ -65,6 +65,18 @@ class PackedRows:
         self.scales = torch.cat(
             [self.scales, self.scales.new_zeros(self.scales.shape[0], grow, self.scales.shape[2])], 1)
 
+    def resize(self, rows: int) -> None:
+        """Exactly `rows` rows of capacity (a fixed pool's, so that equal capacities mean equal shapes): new rows
+        are zero, rows past `rows` are dropped (the caller holds none there)."""
+        if rows == self.capacity:
+            return
+        kept = min(rows, self.capacity)
+        for name in ("codes", "scales"):
+            held = getattr(self, name)
+            resized = held.new_zeros(held.shape[0], rows, held.shape[2])
+            resized[:, :kept] = held[:, :kept]
+            setattr(self, name, resized)
+
     def _encode(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.fmt == "fp8_e8m0":
             return fp8_quantize_rows(values)

@@ -33,9 +33,10 @@ class Pool:
         return self.kv.capacity if self.fixed else chunk_max_length // self.ratio
 
     def fix(self, columns: int) -> None:
-        """Reserve rows for `columns` columns and keep every buffer where it is (static decode)."""
-        self.kv.ensure_capacity(columns // self.ratio + 1)
-        self.keys.ensure_capacity(columns // self.ratio + 1)
+        """Reserve exactly the rows of `columns` columns (every step reads them all) and keep every buffer where it
+        is (static decode)."""
+        self.kv.resize(columns // self.ratio + 1)
+        self.keys.resize(columns // self.ratio + 1)
         self.fixed = True
 
     def unfix(self) -> None:

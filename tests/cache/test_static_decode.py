@@ -4,6 +4,8 @@ to the host and keeps every cache tensor at its address. The GPU replay itself i
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -206,6 +208,54 @@ def test_static_drafting_rounds_are_replayable(accelerator_paths):
     assert traces[1] == traces[2]
     assert not [op for op in traces[1] if op[0].split(".")[0] in HOST_READS or _mask_indexing(op)]
     assert cache.columns == prompt + sum(a + 1 for a in accepted)
+
+
+def test_a_later_cache_replays_on_adopted_parts(accelerator_paths):
+    """What lets generate(cuda_graphs=True) reuse an earlier call's recordings: a later cache (another prompt,
+    another length) moves its state into the static buffers of an earlier one, then decodes and drafts bit for bit
+    as a static cache of its own, dispatching the ops the earlier cache's steps dispatched, on the same tensors."""
+    model = random_model(tiny_config(), dtype=torch.float32)
+    ids = torch.randint(3, 500, (2, PROMPT + 8), generator=torch.Generator().manual_seed(11))
+    other = torch.randint(3, 500, (2, PROMPT + 4), generator=torch.Generator().manual_seed(12))
+    capacity, later_prompt = PROMPT + 16, PROMPT - 6
+    with torch.no_grad():
+        first = _prefilled(model, ids, dspark=True)
+        first.make_static(capacity)
+        model(input_ids=ids[:, PROMPT:PROMPT + 1], cache=first)  # the eager first step
+        earlier = []
+        for t, width in ((PROMPT + 1, 1), (PROMPT + 2, 6)):
+            chunk = ids[:, t:t + width].clone()
+            with _Trace() as trace:
+                model(input_ids=chunk, cache=first)
+            earlier.append(trace.ops)
+        parts, addresses = first.static_parts(), _cache_tensors(first)
+        first.own_parts()  # the earlier call ends: its cache keeps copies, the parts stay with the recordings
+        first.end_static()
+        assert not set(_cache_tensors(first).values()) & set(addresses.values()) - {0}  # 0: empty tensors
+
+        later = DeepseekV41Cache(model.config, dspark=True)
+        model(input_ids=other[:, :later_prompt], cache=later)
+        alone = copy.deepcopy(later)
+        alone.make_static(capacity)
+        unfit = copy.deepcopy(later)
+        unfit.make_static(capacity + 1)
+        assert not unfit.adopt_static_parts(parts)  # another capacity: another layout, nothing changed
+        later.make_static(capacity)
+        assert later.adopt_static_parts(parts) and _cache_tensors(later) == addresses
+        step, verify = other[:, later_prompt:later_prompt + 1].clone(), other[:, later_prompt + 1:later_prompt + 7].clone()
+        traces, got = [], []
+        for chunk in (step, verify):
+            with _Trace() as trace:
+                got.append(model(input_ids=chunk, cache=later).logits)
+            traces.append(trace.ops)
+        want = [model(input_ids=chunk, cache=alone).logits for chunk in (step, verify)]
+        next_ids = want[-1][:, -1].argmax(-1)
+        drafts = dspark_draft(model, next_ids, later), dspark_draft(model, next_ids, alone)
+    for a, b in zip(traces, earlier):
+        diffs = [(i, x, y) for i, (x, y) in enumerate(zip(a, b)) if x != y]
+        assert len(a) == len(b) and not diffs, (len(a), len(b), diffs[:3])
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert all(torch.equal(a, b) for a, b in zip(*drafts))
 
 
 def test_greedy_verdict_keeps_the_drafts_the_backbone_agrees_with():
