@@ -2,7 +2,8 @@
 
 Run: python benchmarks/dspark_speedup.py [--checkpoint DIR] [--device cuda] [--repeats 3] [--text-prompts 8]
 Times whole generate() calls (prefill included), synchronised on CUDA, median of `--repeats` after a warm-up, on
-the Python-documentation text prompts and the held-out picture questions of `training.evaluate`. Prints markdown.
+the Python-documentation text prompts and the held-out picture questions of `training.evaluate`; on CUDA also both
+with `cuda_graphs=True` (the warm-up call records, the timed calls replay). Prints markdown.
 """
 
 from __future__ import annotations
@@ -27,9 +28,13 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed_generate(model, inputs: dict, new_tokens: int, use_dspark: bool, repeats: int) -> tuple[torch.Tensor, float, dict]:
-    """Median seconds of `repeats` greedy generate() calls after one warm-up; returns the output, seconds, stats."""
+def timed_generate(model, inputs: dict, new_tokens: int, use_dspark: bool, repeats: int, cuda_graphs: bool = False
+                   ) -> tuple[torch.Tensor, float, dict]:
+    """Median seconds of `repeats` greedy generate() calls after one warm-up (with cuda_graphs, the warm-up
+    records and the timed calls replay); returns the output, seconds, stats."""
     kwargs = dict(max_new_tokens=new_tokens, do_sample=False, use_dspark=use_dspark)
+    if cuda_graphs:
+        kwargs["cuda_graphs"] = True
     model.generate(**inputs, **kwargs)
     seconds, stats = [], {}
     for _ in range(repeats):
@@ -41,21 +46,35 @@ def timed_generate(model, inputs: dict, new_tokens: int, use_dspark: bool, repea
     return output, statistics.median(seconds), stats
 
 
-def measure(model, prompts: list[dict], new_tokens: int, repeats: int) -> dict:
-    plain_s = draft_s = tokens = accepted = rounds = 0.0
+def measure(model, prompts: list[dict], new_tokens: int, repeats: int, graphs: bool) -> dict:
+    """Seconds of plain and drafting generation (and with `graphs`, both replayed from CUDA graphs), summed over
+    the prompts; whether every variant gave plain greedy's tokens."""
+    variants = [("plain", False, False), ("draft", True, False)]
+    if graphs:
+        variants += [("plain_graphs", False, True), ("draft_graphs", True, True)]
+    seconds = dict.fromkeys((name for name, _, _ in variants), 0.0)
+    tokens = accepted = rounds = recorded = 0.0
     same = True
     for inputs in prompts:
         inputs = {k: v.to(model.device) for k, v in inputs.items()}
-        plain, t_plain, _ = timed_generate(model, inputs, new_tokens, False, repeats)
-        drafted, t_draft, stats = timed_generate(model, inputs, new_tokens, True, repeats)
-        same &= bool(torch.equal(plain, drafted))
-        tokens += plain.shape[1] - inputs["input_ids"].shape[1]
-        plain_s, draft_s = plain_s + t_plain, draft_s + t_draft
-        accepted += (stats["dspark_mean_accepted_length"] - 1.0) * stats["dspark_rounds"]
-        rounds += stats["dspark_rounds"]
-    return {"prompts": len(prompts), "new_tokens": int(tokens), "plain_tok_s": tokens / plain_s,
-            "draft_tok_s": tokens / draft_s, "speedup": plain_s / draft_s,
-            "mean_accepted_length": 1.0 + accepted / max(rounds, 1), "same_tokens": same}
+        outputs = {}
+        for name, use_dspark, cuda_graphs in variants:
+            outputs[name], t, stats = timed_generate(model, inputs, new_tokens, use_dspark, repeats, cuda_graphs)
+            seconds[name] += t
+            if name == "draft":
+                accepted += (stats["dspark_mean_accepted_length"] - 1.0) * stats["dspark_rounds"]
+                rounds += stats["dspark_rounds"]
+            if cuda_graphs:
+                recorded += stats["cuda_graphs_recorded"]
+        same &= all(torch.equal(outputs["plain"], out) for out in outputs.values())
+        tokens += outputs["plain"].shape[1] - inputs["input_ids"].shape[1]
+    result = {"prompts": len(prompts), "new_tokens": int(tokens), "same_tokens": same,
+              "mean_accepted_length": 1.0 + accepted / max(rounds, 1), "recorded_in_timed_calls": int(recorded)}
+    result.update({f"{name}_tok_s": tokens / t for name, t in seconds.items()})
+    result["speedup"] = seconds["plain"] / seconds["draft"]
+    if graphs:
+        result["graphs_speedup"] = seconds["plain_graphs"] / seconds["draft_graphs"]
+    return result
 
 
 def main() -> None:
@@ -82,13 +101,21 @@ def main() -> None:
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
     print(f"checkpoint {args.checkpoint}; {device_name}; torch {torch.__version__}; weight mode "
           f"{model.config.weight_mode}; medians of {args.repeats} after a warm-up")
-    print("| prompts | new tokens | plain tok/s | DSpark tok/s | speed-up | mean accepted length | same tokens |")
-    print("|---|---|---|---|---|---|---|")
+    graphs = model.device.type == "cuda"
+    header = "| prompts | new tokens | plain tok/s | DSpark tok/s | speed-up |"
+    if graphs:
+        header += " plain, CUDA graphs tok/s | DSpark, CUDA graphs tok/s | speed-up with graphs | graphs recorded in timed calls |"
+    print(header + " mean accepted length | same tokens |")
+    print("|---" * (header.count("|") + 1) + "|")
     with torch.no_grad():
         for name, prompts, new in (("picture answers", pictures, 16), ("text", text, args.text_tokens)):
-            r = measure(model, prompts, new, args.repeats)
-            print(f"| {r['prompts']} {name} | {r['new_tokens']} | {r['plain_tok_s']:.1f} | {r['draft_tok_s']:.1f} | "
-                  f"{r['speedup']:.2f}x | {r['mean_accepted_length']:.2f} | {r['same_tokens']} |", flush=True)
+            r = measure(model, prompts, new, args.repeats, graphs)
+            line = (f"| {r['prompts']} {name} | {r['new_tokens']} | {r['plain_tok_s']:.1f} | {r['draft_tok_s']:.1f} | "
+                    f"{r['speedup']:.2f}x |")
+            if graphs:
+                line += (f" {r['plain_graphs_tok_s']:.1f} | {r['draft_graphs_tok_s']:.1f} | {r['graphs_speedup']:.2f}x | "
+                         f"{r['recorded_in_timed_calls']} |")
+            print(line + f" {r['mean_accepted_length']:.2f} | {r['same_tokens']} |", flush=True)
 
 
 if __name__ == "__main__":

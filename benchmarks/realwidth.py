@@ -34,6 +34,7 @@ from modeling_deepseek_v41 import DeepseekV41Config, DeepseekV41ForCausalLM  # n
 from modeling_deepseek_v41.cache import DeepseekV41Cache  # noqa: E402
 from modeling_deepseek_v41.layers.engram_hashing import engram_table_rows  # noqa: E402
 from modeling_deepseek_v41.model.generation import DeepseekV41CUDAGraphDecoder  # noqa: E402
+from modeling_deepseek_v41.model.generation.dspark import dspark_draft  # noqa: E402
 
 OFFICIAL = ROOT / "tests" / "fixtures" / "spec" / "official_config.json"
 
@@ -80,10 +81,12 @@ def step_bytes(model: DeepseekV41ForCausalLM, batch: int) -> int:
     return int(total)
 
 
-def timed_ms(fn, repeats: int, warmup: int = 2) -> float:
-    """Median CUDA-event time of `fn` in milliseconds."""
+def timed_ms(fn, repeats: int, warmup: int = 2, after=None) -> float:
+    """Median CUDA-event time of `fn` in milliseconds (`after`, untimed, runs after each call)."""
     for _ in range(warmup):
         fn()
+        if after is not None:
+            after()
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -92,14 +95,17 @@ def timed_ms(fn, repeats: int, warmup: int = 2) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
+        if after is not None:
+            after()
     return statistics.median(times)
 
 
-def prefilled_cache(model, context: int, batch: int, chunk: int = 8192) -> tuple[DeepseekV41Cache, torch.Tensor]:
+def prefilled_cache(model, context: int, batch: int, chunk: int = 8192, dspark: bool = False
+                    ) -> tuple[DeepseekV41Cache, torch.Tensor]:
     """A cache holding `context` random tokens, prefilled once and repeated to `batch` rows."""
     vocab = model.config.text_config.vocab_size
     ids = torch.randint(3, vocab, (1, context), device="cuda")
-    cache = DeepseekV41Cache(model.config)
+    cache = DeepseekV41Cache(model.config, dspark=dspark)
     with torch.no_grad():
         for start in range(0, context, chunk):
             model(ids[:, start:start + chunk], cache=cache, logits_to_keep=1, prefill_mode="bounded_replay")
@@ -132,6 +138,33 @@ def decode_rows(model, context: int, batches: list[int], steps: int, bandwidth: 
         del cache, decoder
         torch.cuda.empty_cache()
     return rows
+
+
+def dspark_rows(model, context: int, steps: int, accepted_lengths=(2.8, 3.5)) -> dict:
+    """Batch 1 with the drafter's rings: a replayed one-token step, a replayed verify step of the token and its
+    drafts (block + 1 tokens; cropped back, untimed, after each), a replayed drafter forward; and the time per
+    output token a drafting round would take at the given mean accepted lengths (the checkpoint's drafter is
+    random at these widths, so its own acceptance means nothing)."""
+    block = model.config.text_config.dspark_block_size
+    cache, token = prefilled_cache(model, context, 1, dspark=True)
+    decoder = DeepseekV41CUDAGraphDecoder(model, cache, max_new_tokens=steps + 2 * block + 8, widest=block + 1)
+    verify = torch.randint(3, model.config.text_config.vocab_size, (1, block + 1), device="cuda")
+    row = {"dspark_context": context, "step_ms": timed_ms(lambda: decoder.step(token), repeats=steps, warmup=3)}
+    row["verify_ms"] = timed_ms(lambda: decoder.step(verify), repeats=steps, warmup=3,
+                                after=lambda: cache.crop(-(block + 1)))
+    row["draft_ms"] = timed_ms(lambda: decoder.call("draft", lambda ids: dspark_draft(model, ids, cache), token[:, 0]),
+                               repeats=steps, warmup=3)
+    decoder.close()
+    row["verify_over_step"] = row["verify_ms"] / row["step_ms"]
+    row["draft_over_step"] = row["draft_ms"] / row["step_ms"]
+    for length in accepted_lengths:
+        per_token = (row["draft_ms"] + row["verify_ms"]) / length
+        row[f"ms_per_token_at_{length}"] = per_token
+        row[f"speedup_at_{length}"] = row["step_ms"] / per_token
+    print(json.dumps(row), flush=True)
+    del cache
+    torch.cuda.empty_cache()
+    return row
 
 
 def profile_decode(model, context: int, steps: int = 3, top: int = 50) -> None:
@@ -198,6 +231,7 @@ def main() -> None:
     parser.add_argument("--skip-prefill", type=int, nargs="*", default=[],
                         help="lengths run in bounded_replay only (exact at 64K is the slow path)")
     parser.add_argument("--no-eager", action="store_true")
+    parser.add_argument("--no-dspark", action="store_true", help="skip the draft and verify step rows")
     parser.add_argument("--profile", action="store_true", help="also profile graph-replayed batch-1 decode steps")
     parser.add_argument("--bandwidth", type=float, default=4.8e12)
     args = parser.parse_args()
@@ -210,6 +244,8 @@ def main() -> None:
                       "build_s": round(time.perf_counter() - start, 1),
                       "device": torch.cuda.get_device_name()}), flush=True)
     decode_rows(model, args.context, args.batches, args.steps, args.bandwidth, eager=not args.no_eager)
+    if not args.no_dspark:
+        dspark_rows(model, args.context, args.steps)
     if args.profile:
         profile_decode(model, args.context)
     skip = {("exact", n) for n in args.skip_prefill}

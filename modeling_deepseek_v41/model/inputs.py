@@ -19,9 +19,10 @@ from ..kernels.dispatch import fast_path
 
 
 def reads_values(input_ids: torch.Tensor) -> bool:
-    """Whether checks that read tensor values run: never while tracing (a compiled or exported step cannot read
-    them), and on an accelerator not for one-token steps (no host sync in decoding)."""
-    if torch.compiler.is_compiling():
+    """Whether checks that read tensor values run: never while tracing or recording a CUDA graph (a compiled,
+    exported or replayed step cannot read them; the same step ran eagerly, checked, before it was recorded), and
+    on an accelerator not for one-token steps (no host sync in decoding)."""
+    if torch.compiler.is_compiling() or (input_ids.is_cuda and torch.cuda.is_current_stream_capturing()):
         return False
     return not fast_path(input_ids) or input_ids.shape[1] > 1
 

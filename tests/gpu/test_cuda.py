@@ -187,11 +187,14 @@ def test_default_checkpoint_on_cuda_answers_and_drafts_losslessly():
                                                return_dict=True, return_tensors="pt").to("cuda")
         plain = model.generate(**inputs, max_new_tokens=16, do_sample=False)
         drafted = model.generate(**inputs, max_new_tokens=16, do_sample=False, use_dspark=True)
+        replayed = model.generate(**inputs, max_new_tokens=16, do_sample=False, use_dspark=True, cuda_graphs=True)
         if not torch.equal(plain, drafted):
             differing.append(f"picture {index}")
+        if not torch.equal(plain, replayed):
+            differing.append(f"picture {index} (graphs)")
         answer = processor.decode(plain[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
         right += answer == example["answer"]
-    from test_default_checkpoint import ACCURACY_THRESHOLD
+    from default_checkpoint_thresholds import ACCURACY_THRESHOLD
 
     print(f"default checkpoint on CUDA: {right}/{len(examples)} held-out answers right; DSpark differs from greedy "
           f"on {len(differing)} of {len(examples)} pictures {differing}")
@@ -212,8 +215,12 @@ def test_default_checkpoint_drafts_losslessly_on_text_prompts():
         mask = torch.ones_like(ids)
         plain = model.generate(ids, attention_mask=mask, max_new_tokens=32, do_sample=False)
         drafted = model.generate(ids, attention_mask=mask, max_new_tokens=32, do_sample=False, use_dspark=True)
+        replayed = model.generate(ids, attention_mask=mask, max_new_tokens=32, do_sample=False, use_dspark=True,
+                                  cuda_graphs=True)
         if not torch.equal(plain, drafted):
             differing.append(index)
+        if not torch.equal(plain, replayed):
+            differing.append(f"{index} (graphs)")
     print(f"DSpark differs from greedy on {len(differing)} of {len(prompts)} text prompts {differing}")
     assert not differing
 
@@ -252,6 +259,34 @@ def test_generate_with_cuda_graphs_gives_the_plain_tokens():
         graphed = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
                                  cuda_graphs=True)
         assert torch.equal(plain, graphed)
+
+
+@pytest.mark.skipif(not DEFAULT_CHECKPOINT.exists(), reason="examples/default-checkpoint is not built")
+def test_a_second_generate_call_records_nothing():
+    """generate(cuda_graphs=True) keeps its recordings in model.decode_graphs: a later call of the same shape
+    (another prompt in the same capacity bucket) records no graph and still gives plain greedy's tokens; drafting
+    calls keep theirs (drafts and verify steps) the same way; release() frees them. Measured on the H200: graphs
+    recorded per call [1, 0, 0] plain and [2, 0, 0] drafting."""
+    from training.evaluate import text_prompts
+
+    model, processor = _default_on_cuda()
+    first, second = (ids.cuda() for ids in text_prompts(processor.tokenizer, 2))
+    for use_dspark in (False, True):
+        recorded = []
+        for ids in (first, second, first):
+            stats = {}
+            plain = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)
+            replayed = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+                                      cuda_graphs=True, use_dspark=use_dspark, generation_stats=stats)
+            assert torch.equal(plain, replayed)
+            recorded.append(stats["cuda_graphs_recorded"])
+        print(f"use_dspark={use_dspark}: graphs recorded per call {recorded}, kept {len(model.decode_graphs)} "
+              f"decoders, {model.decode_graphs.nbytes() / 2**20:.1f} MiB")
+        assert recorded[0] > 0 and recorded[1:] == [0, 0]
+    # the first drafting call built the drafter's expert stacks, so the weights moved: the plain decoder went
+    assert len(model.decode_graphs) == 1 and model.decode_graphs.nbytes() > 0
+    model.decode_graphs.release()
+    assert len(model.decode_graphs) == 0
 
 
 def test_lora_on_the_shipped_weights_trains_on_the_kernels():

@@ -18,14 +18,10 @@ class Draft(NamedTuple):
     confidence: torch.Tensor  # [B, block] raw confidence scores (no sigmoid)
 
 
-def dspark_draft(model, next_ids: torch.Tensor, cache,
-                 choose: Callable[[torch.Tensor, int], torch.Tensor] | None = None) -> Draft:
-    """One drafter forward after the backbone has processed every position up to each row's last one.
-
-    `next_ids` [B] is the backbone's token for the following position. The block [next, noise, ...] runs through
-    the stages at positions p+1 .. p+block; the last stage's logits get the Markov bias of the token before
-    each position, and `choose(logits, i)` (argmax by default) picks the drafted token i from them in order.
-    """
+def draft_forward(model, next_ids: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
+    """The drafter's forward after the backbone has processed every position up to each row's last one: the block
+    [next, noise, ...] (`next_ids` [B], the backbone's token for the following position) through the stages at
+    positions p+1 .. p+block. Returns (hidden [B, block, D], logits [B, block, V] fp32 without the Markov bias)."""
     drafter, text = model.dspark, model.config.text_config
     size = text.dspark_block_size
     last = cache.lengths - 1  # each row's last processed position
@@ -37,16 +33,31 @@ def dspark_draft(model, next_ids: torch.Tensor, cache,
         return cache.drafter_window(stage.spec.layer_id, last, text.sliding_window, dtype)  # the stage's ring
 
     hidden = drafter(model.get_input_embeddings()(block_ids), drafter.rotation(positions), stage_window)
-    logits = drafter.logits(hidden, model.get_output_embeddings())
+    return hidden, drafter.logits(hidden, model.get_output_embeddings())
+
+
+def choose_drafts(model, next_ids: torch.Tensor, hidden: torch.Tensor, logits: torch.Tensor,
+                  choose: Callable[[torch.Tensor, int], torch.Tensor] | None = None) -> Draft:
+    """The drafted tokens from the drafter's forward: each position's logits get the Markov bias of the token
+    before it, and `choose(logits, i)` (argmax by default) picks draft i from them, in order."""
+    drafter = model.dspark
+    logits = logits.clone()
     choose = choose or (lambda scores, _: scores.argmax(dim=-1))
     ids, embeddings = [next_ids], []
-    for i in range(size):
+    for i in range(logits.shape[1]):
         bias, embedding = drafter.markov(ids[-1])
         logits[:, i] = logits[:, i] + bias
         embeddings.append(embedding)
         ids.append(choose(logits[:, i], i))
     confidence = drafter.confidence(hidden, torch.stack(embeddings, dim=1))
     return Draft(torch.stack(ids, dim=1), logits, confidence)
+
+
+def dspark_draft(model, next_ids: torch.Tensor, cache,
+                 choose: Callable[[torch.Tensor, int], torch.Tensor] | None = None) -> Draft:
+    """One drafter forward and its drafted tokens (`draft_forward`, then `choose_drafts`)."""
+    hidden, logits = draft_forward(model, next_ids, cache)
+    return choose_drafts(model, next_ids, hidden, logits, choose)
 
 
 class Verdict(NamedTuple):
@@ -98,8 +109,10 @@ class DSparkCandidateGenerator(CandidateGenerator):
     """Drafts `dspark_block_size` tokens per drafter forward from the model's own cache.
 
     The drafter rings are fed inside the model's forward with every processed position, and cropped with the
-    cache when drafts are rejected. Draft tokens are sampled in order from the (processed) Markov-biased draft
-    logits, which are returned as the draft distribution so that speculative sampling stays lossless.
+    cache when drafts are rejected. Greedy drafts are the argmax of the Markov-biased draft logits (the logits
+    processors apply to the verified tokens); sampled drafts are drawn in order from the processed biased logits,
+    which are returned as the draft distribution so that speculative sampling stays lossless. With
+    `generate(cuda_graphs=True)` the drafter's forward (greedy: the whole draft) replays from a CUDA graph.
     """
 
     requires_model_outputs = True
@@ -119,30 +132,41 @@ class DSparkCandidateGenerator(CandidateGenerator):
         if is_first_iteration:  # the model's own prefill comes first; drafting needs its cache
             return input_ids, None
         cache = model_kwargs["cache"]
-        processed = []
-
-        def choose(scores: torch.Tensor, index: int) -> torch.Tensor:
-            context = torch.cat([input_ids] + [t.unsqueeze(1) for t in chosen], dim=1)
-            if self.logits_processor is not None and len(self.logits_processor) > 0:
-                scores = self.logits_processor(context, scores.clone())
-            processed.append(scores)
-            if self.do_sample:
-                token = torch.multinomial(scores.softmax(dim=-1), 1).squeeze(1)
-            else:
-                token = scores.argmax(dim=-1)
-            chosen.append(token)
-            return token
-
-        chosen: list[torch.Tensor] = []
+        run = cache.generation_run
+        graphs = run.graphs if run is not None else None  # cuda_graphs=True: the drafter replays from a graph
+        next_ids = input_ids[:, -1]
         with torch.no_grad():
-            draft = dspark_draft(self.model, input_ids[:, -1], cache, choose)
+            if not self.do_sample:  # greedy drafts are the drafter's own argmax; the processors shape the verify
+                draft = graphs.draft(next_ids) if graphs is not None else dspark_draft(self.model, next_ids, cache)
+                draft_logits = draft.logits
+            else:
+                forward = graphs.draft_forward(next_ids) if graphs is not None else \
+                    draft_forward(self.model, next_ids, cache)
+                draft, draft_logits = self._sampled_drafts(input_ids, next_ids, *forward)
         count = verify_count(draft.confidence, self.threshold)
         self.drafted += count
         self.rounds += 1
         if count == 0:
             return input_ids, None
         candidates = torch.cat([input_ids, draft.ids[:, 1:1 + count]], dim=1)
-        return candidates, torch.stack(processed[:count], dim=1)
+        return candidates, draft_logits[:, :count]
+
+    def _sampled_drafts(self, input_ids: torch.Tensor, next_ids: torch.Tensor, hidden: torch.Tensor,
+                        logits: torch.Tensor) -> tuple[Draft, torch.Tensor]:
+        """Drafts sampled in order from the processed Markov-biased logits, and those processed logits (the draft
+        distribution that speculative sampling needs to stay lossless)."""
+        chosen, processed = [], []
+
+        def choose(scores: torch.Tensor, index: int) -> torch.Tensor:
+            context = torch.cat([input_ids] + [t.unsqueeze(1) for t in chosen], dim=1)
+            if self.logits_processor is not None and len(self.logits_processor) > 0:
+                scores = self.logits_processor(context, scores.clone())
+            processed.append(scores)
+            chosen.append(torch.multinomial(scores.softmax(dim=-1), 1).squeeze(1))
+            return chosen[-1]
+
+        draft = choose_drafts(self.model, next_ids, hidden, logits, choose)
+        return draft, torch.stack(processed, dim=1)
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
         self.accepted += int(num_matches)

@@ -19,7 +19,8 @@ from ...cache.cache import DeepseekV41Cache
 from ...layers.vision import TOKEN_TYPE_IMAGE_START, TOKEN_TYPE_TEXT
 from ..inputs import check_generate_inputs, prompt_rows
 from .dspark import DSparkCandidateGenerator, dspark_generation_config
-from .graph_decoder import GenerationGraphs, check_graph_decoding
+from .graph_decoder import check_graph_decoding
+from .graph_store import DeepseekV41DecodeGraphs, GenerationGraphs
 from .invalid_logits import with_invalid_logits_check
 
 SUPPORTED_CACHE_IMPLEMENTATIONS = (None, "dynamic", "static")
@@ -30,7 +31,7 @@ class GenerationRun:
     """One generate() call's helpers, reachable from its cache (`cache.generation_run`) while it runs."""
 
     cuda_graphs: bool = False
-    graphs: GenerationGraphs | None = None  # replays the one-token steps (cuda_graphs=True)
+    graphs: GenerationGraphs | None = None  # replays the decode, verify and draft steps (cuda_graphs=True)
     drafter: DSparkCandidateGenerator | None = None  # drafts candidates (use_dspark=True)
 
 
@@ -40,6 +41,15 @@ class DeepseekV41GenerationMixin(GenerationMixin):
     _get_logits_processor = with_invalid_logits_check(GenerationMixin._get_logits_processor)
 
     @property
+    def decode_graphs(self) -> DeepseekV41DecodeGraphs:
+        """The CUDA graphs `generate(cuda_graphs=True)` recorded, kept for later calls of the same shape:
+        `model.decode_graphs.nbytes()` reports their device memory, `.release()` frees it."""
+        graphs = self.__dict__.get("_decode_graphs")
+        if graphs is None:
+            graphs = self.__dict__["_decode_graphs"] = DeepseekV41DecodeGraphs()
+        return graphs
+
+    @property
     def has_dspark(self) -> bool:
         """Whether the DSpark drafter's weights (`mtp.*`) are part of this model."""
         return len(self.dspark) > 0
@@ -47,8 +57,9 @@ class DeepseekV41GenerationMixin(GenerationMixin):
     def generate(self, *args, generation_stats: dict | None = None, cuda_graphs: bool = False, **kwargs):
         """transformers' generate(), plus DSpark speculative decoding: `use_dspark=True` (a generation-config
         field, also settable in generation_config.json) and `dspark_confidence_threshold`. `cuda_graphs=True`
-        replays the one-token decode steps from a CUDA graph (greedy or sampling, batch of any size, on a CUDA
-        device; not with DSpark or beam search). Pass a dict as `generation_stats` to get the call's measured
+        replays the decode steps from CUDA graphs (greedy or sampling, batch of any size, on a CUDA device; with
+        DSpark its drafts and verify steps too; not with beam search), kept in `model.decode_graphs` for later
+        calls. Pass a dict as `generation_stats` to get the call's measured
         speed, cache size and draft acceptance in it. `cache_implementation`: None or "dynamic" (the model's own
         growing DeepseekV41Cache) or "static" (the same as `cuda_graphs=True`); others are refused."""
         types, mask = kwargs.get("token_types"), kwargs.get("attention_mask")
@@ -100,7 +111,7 @@ class DeepseekV41GenerationMixin(GenerationMixin):
                 run.graphs.close()
             if isinstance(cache, DeepseekV41Cache):
                 cache.generation_run = None
-        stats = self._generation_stats(output, args, kwargs, elapsed, cache, run.drafter)
+        stats = self._generation_stats(output, args, kwargs, elapsed, cache, run)
         if generation_stats is not None:
             generation_stats.update(stats)
         self._deprecated_last_stats = stats  # read only by the deprecated last_generation_stats; goes with it
@@ -139,15 +150,17 @@ class DeepseekV41GenerationMixin(GenerationMixin):
         return implementation == "static"
 
     @staticmethod
-    def _generation_stats(output, args, kwargs, elapsed: float, cache, drafter) -> dict:
+    def _generation_stats(output, args, kwargs, elapsed: float, cache, run: GenerationRun) -> dict:
         sequences = output if isinstance(output, torch.Tensor) else output.sequences
         prompt = args[0] if args else kwargs.get("input_ids")
         new_tokens = sequences.numel() - (prompt.numel() if isinstance(prompt, torch.Tensor) else 0)
+        drafter = run.drafter
         return {
             "new_tokens": int(new_tokens), "seconds": elapsed, "tokens_per_second": new_tokens / max(elapsed, 1e-9),
             "cache_global_bytes_per_token": cache.global_bytes_per_token() if cache is not None else None,
             "dspark_mean_accepted_length": drafter.mean_accepted_length if drafter is not None else None,
             "dspark_rounds": drafter.rounds if drafter is not None else None,
+            "cuda_graphs_recorded": run.graphs.recorded if run.graphs is not None else None,
         }
 
     def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor,
@@ -167,9 +180,9 @@ class DeepseekV41GenerationMixin(GenerationMixin):
         cache = model_kwargs.get("cache")
         run = getattr(cache, "generation_run", None)
         cuda_graphs = run is not None and run.cuda_graphs
-        if cuda_graphs and (dspark or generation_config.num_beams > 1):
-            raise ValueError("cuda_graphs=True replays one-token steps: it cannot be combined with use_dspark "
-                             "or beam search (num_beams > 1).")
+        if cuda_graphs and generation_config.num_beams > 1:
+            raise ValueError("cuda_graphs=True replays steps on fixed buffers: it cannot be combined with beam "
+                             "search (num_beams > 1), which reorders the cache's rows.")
         if cuda_graphs and generation_config.use_cache is False:
             raise ValueError("cuda_graphs=True needs the cache: do not combine it with use_cache=False.")
         if cache is None:
@@ -178,10 +191,9 @@ class DeepseekV41GenerationMixin(GenerationMixin):
             return
         if dspark and not cache.dspark:
             raise ValueError("use_dspark needs a cache created with DeepseekV41Cache(config, dspark=True).")
-        if cuda_graphs and cache.dspark:
-            raise ValueError("cuda_graphs=True needs a cache without DSpark rings (DeepseekV41Cache(config)).")
-        if cuda_graphs:
-            run.graphs = GenerationGraphs(self, cache, generation_config.max_length)
+        if cuda_graphs:  # with DSpark, verify steps feed the token and its drafts
+            widest = self.config.text_config.dspark_block_size + 1 if dspark else 1
+            run.graphs = GenerationGraphs(self, cache, generation_config.max_length, widest)
 
     def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, *args, **kwargs) -> dict:
         """Images and their token types belong to the prefill only; later steps feed text tokens (token_types is
