@@ -73,6 +73,8 @@ class DeepseekV41CUDAGraphDecoder:
     @torch.no_grad()
     def step(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Feed input_ids [B, w] (1 <= w <= widest); returns this step's logits [B, w, vocab] (a new tensor)."""
+        if self.cache is None:
+            raise ValueError("This decoder holds no cache (detached or closed): attach(cache) it to one first.")
         rows, width = input_ids.shape
         if rows != self.rows or not 1 <= width <= self.widest:
             raise ValueError(f"input_ids must have {self.rows} rows of 1 to {self.widest} tokens, got "
@@ -88,6 +90,8 @@ class DeepseekV41CUDAGraphDecoder:
     def call(self, key: Hashable, fn: Callable[[torch.Tensor], Any], inputs: torch.Tensor, columns: int = 0) -> Any:
         """fn(inputs) on the static cache: eager the first time `key` comes, recorded the second, replayed after.
         `columns`: what one call appends to the cache. Replays return the recording's own output tensors."""
+        if self.cache is None:
+            raise ValueError("This decoder holds no cache (detached or closed): attach(cache) it to one first.")
         recording = self.recordings.get(key)
         if recording is None:
             if key not in self.seen:

@@ -43,6 +43,8 @@ def test_a_later_call_of_the_same_shape_gets_the_kept_decoder(model):
     assert decoder.capacity == SMALLEST_CAPACITY and first.is_static
     decoder.detach()
     assert not first.is_static and first.static_parts()[0] is not decoder.parts[0]  # the call's cache: copies
+    with pytest.raises(ValueError, match="holds no cache"):
+        decoder.step(torch.ones(1, 1, dtype=torch.long))
 
     later = _prefilled(model, 1, 37)  # another prompt length, the same bucket
     assert graphs.decoder_for(model, later, 16, widest=1) is decoder
