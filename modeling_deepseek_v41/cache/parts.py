@@ -36,52 +36,45 @@ def parts_nbytes(log: ColumnLog | None, pools: dict[int, Pool], rings: dict[int,
 
 
 def same_layout(a, b) -> bool:
-    """Whether two parts (or their nested records) hold tensors of the same shapes, dtypes and devices under the
-    same names: what copying one's state into the other needs."""
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, torch.Tensor):
-        return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(same_layout(a[k], b[k]) for k in a)
-    if isinstance(a, (tuple, list)):
-        return len(a) == len(b) and all(same_layout(x, y) for x, y in zip(a, b))
-    if _is_record(a):
-        return vars(a).keys() == vars(b).keys() and all(same_layout(v, vars(b)[k]) for k, v in vars(a).items())
-    return True  # host fields: any value
+    """Whether two parts (or their nested records) hold tensors of the same shapes, dtypes and devices and host
+    fields of the same types under the same names: what copying one's state into the other needs."""
+    left, right = list(_leaves(a)), list(_leaves(b))
+    return len(left) == len(right) and all(key == other_key and _signature(x) == _signature(y)
+                                           for (_, key, x), (_, other_key, y) in zip(left, right))
 
 
 def copy_state(target, source) -> None:
     """Give `target` the state of `source` (same layout), keeping every tensor of `target` where it is: tensors are
     copied in, host fields assigned. A recorded CUDA graph keeps working on `target`'s memory."""
-    if isinstance(target, dict):
-        for key in target:
-            copy_state(target[key], source[key])
-        return
-    for name, value in vars(source).items():
-        held = getattr(target, name)
+    for (owner, key, held), (_, _, value) in zip(_leaves(target), _leaves(source)):
         if isinstance(value, torch.Tensor):
             held.copy_(value)
-        elif isinstance(value, tuple) and value and isinstance(value[0], torch.Tensor):
-            for into, part in zip(held, value):
-                into.copy_(part)
-        elif _is_record(value):
-            copy_state(held, value)
         else:
-            setattr(target, name, value)
+            setattr(owner, key, value)
 
 
 def allocated_bytes(parts) -> int:
     """Bytes of every tensor the parts (or nested records) hold, as allocated."""
-    if isinstance(parts, torch.Tensor):
-        return parts.nbytes
-    if isinstance(parts, dict):
-        return sum(allocated_bytes(v) for v in parts.values())
-    if isinstance(parts, (tuple, list)):
-        return sum(allocated_bytes(v) for v in parts)
-    return sum(allocated_bytes(v) for v in vars(parts).values()) if _is_record(parts) else 0
+    return sum(leaf.nbytes for _, _, leaf in _leaves(parts) if isinstance(leaf, torch.Tensor))
 
 
-def _is_record(value) -> bool:
-    """The package's own objects that a part holds (packed rows, column records)."""
-    return type(value).__module__.startswith(__package__)
+def _leaves(value, owner=None, key=None):
+    """(owner, name, leaf) of every tensor and host field under `value`, in a fixed order, through dicts, tuples
+    and the package's own records (packed rows, column records) a part holds."""
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, (tuple, list)):
+        items = enumerate(value)
+    elif type(value).__module__.startswith(__package__):
+        items = vars(value).items()
+    else:
+        yield owner, key, value
+        return
+    for name, item in items:
+        yield from _leaves(item, value, name)
+
+
+def _signature(leaf) -> tuple:
+    if isinstance(leaf, torch.Tensor):
+        return leaf.shape, leaf.dtype, leaf.device
+    return (type(leaf),)

@@ -41,16 +41,15 @@ def choose_drafts(model, next_ids: torch.Tensor, hidden: torch.Tensor, logits: t
     """The drafted tokens from the drafter's forward: each position's logits get the Markov bias of the token
     before it, and `choose(logits, i)` (argmax by default) picks draft i from them, in order."""
     drafter = model.dspark
-    logits = logits.clone()
     choose = choose or (lambda scores, _: scores.argmax(dim=-1))
-    ids, embeddings = [next_ids], []
-    for i in range(logits.shape[1]):
+    ids, biased, embeddings = [next_ids], [], []
+    for i in range(logits.shape[1]):  # `logits` is only read: it may be a replayed graph's output buffer
         bias, embedding = drafter.markov(ids[-1])
-        logits[:, i] = logits[:, i] + bias
+        biased.append(logits[:, i] + bias)
         embeddings.append(embedding)
-        ids.append(choose(logits[:, i], i))
+        ids.append(choose(biased[-1], i))
     confidence = drafter.confidence(hidden, torch.stack(embeddings, dim=1))
-    return Draft(torch.stack(ids, dim=1), logits, confidence)
+    return Draft(torch.stack(ids, dim=1), torch.stack(biased, dim=1), confidence)
 
 
 def dspark_draft(model, next_ids: torch.Tensor, cache,

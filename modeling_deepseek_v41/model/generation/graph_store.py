@@ -130,10 +130,10 @@ class GenerationGraphs:
         return Draft(*(t.clone() for t in draft))
 
     def draft_forward(self, next_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The drafter's forward (`draft_forward`), replayed: sampled drafts are chosen from it eagerly."""
+        """The drafter's forward (`draft_forward`), replayed: sampled drafts are chosen from it eagerly, before the
+        next replay overwrites the returned buffers (`choose_drafts` only reads them)."""
         model, cache = self.model, self.cache
-        hidden, logits = self.decoder().call("draft forward", lambda ids: draft_forward(model, ids, cache), next_ids)
-        return hidden.clone(), logits.clone()
+        return self.decoder().call("draft forward", lambda ids: draft_forward(model, ids, cache), next_ids)
 
     def close(self) -> None:
         if self._decoder is not None:
