@@ -107,33 +107,32 @@ def _block_entries(j, lane, r, b, p, lowest, lowest_visible, width, ring_size, n
                    stride_rpb, stride_tr, HAS_FLOOR: tl.constexpr):
     """Block j of the row's entry list in the reference's order (its softmax blocks): `width` window entries
     first, oldest first, from the ring (an empty or overwritten slot holds another position), then the selected
-    pool rows in selection order (-1: none); a block may hold both. Returns (window entry or not, ring slot or
-    pool row, validity), each [BL]."""
+    pool rows in selection order (-1: none); a block may hold both. Returns (ring slot, window entry valid, pool
+    row, pool entry valid), each [BL]; each source keeps its own mask (Triton 3.6 fails on one mask shared by
+    the ring's and the pool's loads)."""
     k = j * lane.shape[0] + lane
-    in_window = k < width
     listed = lowest + k
     slot = listed % ring_size
-    window_ok = in_window & (listed <= p)  # listed >= 0: a padded query lists nothing
+    window_ok = (k < width) & (listed <= p)  # listed >= 0: a padded query lists nothing
     if HAS_FLOOR:
         window_ok = window_ok & (listed >= lowest_visible)
     window_ok = window_ok & (tl.load(ring_pos_ptr + b * stride_rpb + slot, mask=window_ok, other=-1) == listed)
     pick = tl.load(topk_ptr + r * stride_tr + (k - width), mask=(k >= width) & (k - width < n_topk), other=-1)
     pool_ok = (k >= width) & (pick >= 0)
-    return in_window, tl.where(in_window, slot, tl.where(pool_ok, pick, 0)), window_ok | pool_ok
+    return slot, window_ok, tl.where(pool_ok, pick, 0), pool_ok
 
 
 @triton.jit
-def _entry_chunk(j, width, in_window, index, valid, ring_codes, ring_scales, pool_codes, pool_scales, c0,
+def _entry_chunk(j, width, slot, window_ok, row, pool_ok, ring_codes, ring_scales, pool_codes, pool_scales, c0,
                  D: tl.constexpr, BL: tl.constexpr, DC: tl.constexpr, DOT: tl.constexpr):
     """Dims c0 .. c0+DC of block j's entries [BL, DC] (zero where not valid), from the ring, the pool or both."""
     if (j + 1) * BL <= width:
-        e = _window_chunk(ring_codes, ring_scales, index, valid, c0, D, DC, DOT)
+        e = _window_chunk(ring_codes, ring_scales, slot, window_ok, c0, D, DC, DOT)
     elif j * BL >= width:
-        e = _pool_chunk(pool_codes, pool_scales, index, valid, c0, D, DC, DOT)
-    else:  # the block where the window ends and the pool rows begin
-        from_ring = _window_chunk(ring_codes, ring_scales, index, valid & in_window, c0, D, DC, DOT)
-        e = tl.where(in_window[:, None], from_ring,
-                     _pool_chunk(pool_codes, pool_scales, index, valid & ~in_window, c0, D, DC, DOT))
+        e = _pool_chunk(pool_codes, pool_scales, row, pool_ok, c0, D, DC, DOT)
+    else:  # the block where the window ends and the pool rows begin (invalid entries are zero in both)
+        e = _window_chunk(ring_codes, ring_scales, slot, window_ok, c0, D, DC, DOT) + \
+            _pool_chunk(pool_codes, pool_scales, row, pool_ok, c0, D, DC, DOT)
     return e
 
 
@@ -151,16 +150,16 @@ def _attention_logits_kernel(q_ptr, rot_ptr, logits_ptr, pos_ptr, floor_ptr, rin
     h_ok = heads < H
     b, p, lowest, lowest_visible = _query_row(r, S, pos_ptr, floor_ptr, window, HAS_FLOOR)
     lane = tl.arange(0, BL)
-    in_window, index, valid = _block_entries(j, lane, r, b, p, lowest, lowest_visible, width, ring_size, n_topk,
-                                             ring_pos_ptr, topk_ptr, stride_rpb, stride_tr, HAS_FLOOR)
+    slot, window_ok, row, pool_ok = _block_entries(j, lane, r, b, p, lowest, lowest_visible, width, ring_size,
+                                                   n_topk, ring_pos_ptr, topk_ptr, stride_rpb, stride_tr, HAS_FLOOR)
     logits = tl.full([BH, BL], 0.0, ACC)
     for c0 in tl.static_range(0, D, DC):
         q = _query_chunk(q_ptr, rot_ptr, r, heads, h_ok, H, c0, D, ROPE, DC, ACC, DOT)
-        e = _entry_chunk(j, width, in_window, index, valid, ring_codes_ptr + b * stride_rcb,
+        e = _entry_chunk(j, width, slot, window_ok, row, pool_ok, ring_codes_ptr + b * stride_rcb,
                          ring_scales_ptr + b * stride_rsb, pool_codes_ptr + b * stride_pcb,
                          pool_scales_ptr + b * stride_psb, c0, D, BL, DC, DOT)
         logits += _dot(q, tl.trans(e), IEEE)
-    logits = tl.where(valid[None, :], logits, -float("inf")) * softmax_scale
+    logits = tl.where((window_ok | pool_ok)[None, :], logits, -float("inf")) * softmax_scale
     tl.store(logits_ptr + ((r * H + heads) * n_blocks + j)[:, None] * BL + lane[None, :], logits, mask=h_ok[:, None])
 
 
@@ -184,11 +183,12 @@ def _attention_output_kernel(rot_ptr, logits_ptr, o_ptr, sink_ptr, pos_ptr, floo
     den = tl.full([BH], 0.0, ACC)
     acc = tl.full([BH, DO], 0.0, ACC)
     for j in range(0, n_blocks):
-        in_window, index, valid = _block_entries(j, lane, r, b, p, lowest, lowest_visible, width, ring_size,
-                                                 n_topk, ring_pos_ptr, topk_ptr, stride_rpb, stride_tr, HAS_FLOOR)
+        slot, window_ok, row, pool_ok = _block_entries(j, lane, r, b, p, lowest, lowest_visible, width,
+                                                       ring_size, n_topk, ring_pos_ptr, topk_ptr, stride_rpb,
+                                                       stride_tr, HAS_FLOOR)
         logits = tl.load(logits_ptr + ((r * H + heads) * n_blocks + j)[:, None] * BL + lane[None, :],
                          mask=h_ok[:, None], other=-float("inf"))
-        e = _entry_chunk(j, width, in_window, index, valid, ring_codes_ptr + b * stride_rcb,
+        e = _entry_chunk(j, width, slot, window_ok, row, pool_ok, ring_codes_ptr + b * stride_rcb,
                          ring_scales_ptr + b * stride_rsb, pool_codes_ptr + b * stride_pcb,
                          pool_scales_ptr + b * stride_psb, o0, D, BL, DO, DOT)
         m_new = tl.maximum(m, reduce_max(logits, 1))
