@@ -69,41 +69,47 @@ def sweep_linears() -> None:
 
 
 def sweep_moe() -> None:
-    """Both exact FP4 formulations (f16 slices, dequantized bf16 tiles) over tilings and decode K splits."""
+    """The exact FP4 formulations over tilings and decode K splits: the rows formulation (moe_rows) against the
+    committed tensor-core tiles (f16 slices); at 384 experts (1, 6, 32 tokens) and at 32 (32 tokens: the realwidth
+    benchmark's cut, where each expert sees ~6 rows)."""
     e, d, inter, k = 384, 5120, 2304, 6
     w1, s1 = random_fp4((inter, d), 1, e)
     w3, s3 = random_fp4((inter, d), 1, e)
     w2, s2 = random_fp4((d, inter), 1, e)
     stacks = (w1[0], s1[0], w3[0], s3[0], w2[0], s2[0])
-    tiles = [dict(BN=bn, BM=16, BK=bk, num_warps=w, num_stages=st) for bn, bk, w, st in
-             [(64, 128, 4, 3), (64, 256, 4, 3), (128, 128, 4, 3), (128, 256, 8, 3), (32, 256, 4, 3), (64, 128, 4, 4),
-              (64, 256, 4, 2)]]
-    chunks = [dict(up=u, down=dn) for u, dn in [(5120, 2304), (2560, 1152), (1280, 1152), (1280, 768), (640, 384)]]
-    inputs = {}
-    for t in (1, 6, 32):
+    cases = {}
+    for t, experts in ((1, e), (6, e), (32, e), (32, 32)):
         tokens = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
-        routes = [torch.rand(t, e, device="cuda").topk(k, dim=-1).indices for _ in range(4)]
-        inputs[t] = (tokens, routes, torch.rand(t, k, device="cuda"))
+        routes = [torch.rand(t, experts, device="cuda").topk(k, dim=-1).indices for _ in range(4)]
+        cases[f"T={t} E={experts}"] = (tokens, routes, torch.rand(t, k, device="cuda"))
+    rows_tiles = [dict(BN=bn, BM=16, BK=bk, num_warps=w, prefetch=p) for bn, bk, w, p in
+                  [(64, 128, 4, True), (64, 128, 4, False), (32, 128, 4, True), (32, 256, 4, True),
+                   (64, 256, 4, True), (128, 128, 8, True), (64, 64, 4, True), (32, 64, 2, True)]]
+    chunks = [dict(up=u, down=dn) for u, dn in [(1280, 1152), (640, 576)]]
+    variants = [("rows", tile, chunk) for tile, chunk in itertools.product(rows_tiles, chunks)]
+    variants += [("f16", None, None), ("bf16", None, None)]
     results = []
-    for f16, tile, chunk in itertools.product((True, False), tiles, chunks):
-        if chunk["up"] % tile["BK"] or chunk["down"] % tile["BK"]:
-            continue
+    for form, tile, chunk in variants:
+        options = dict(rows=True) if form == "rows" else dict(f16_slices=form == "f16")
         try:
             times = [graph_ms([lambda r=r, x=x, wt=wt: grouped_moe(x, r, wt, *stacks, limit=10.0, tile=tile,
-                                                                     k_chunks=chunk, f16_slices=f16) for r in routes])
-                     for x, routes, wt in inputs.values()]
+                                                                     k_chunks=chunk, **options) for r in routes])
+                     for x, routes, wt in cases.values()]
         except Exception as error:
-            log(f"  moe f16={f16} {tile_name(tile)} {chunk}: failed ({type(error).__name__}: {error})"[:300])
+            log(f"  moe {form} {tile} {chunk}: failed ({type(error).__name__}: {error})"[:300])
             continue
-        results.append((sum(times), times, f16, tile, chunk))
-        print(f"  moe f16={f16} {tile_name(tile)} {chunk}: " + "  ".join(f"{ms * 1e3:.1f}" for ms in times),
+        results.append((sum(times[:3]), times, form, tile, chunk))
+        print(f"  moe {form} {tile} {chunk}: " + "  ".join(f"{ms * 1e3:.1f}" for ms in times),
               flush=True)  # as it goes: a sweep stopped at its time limit still tells something
     results.sort(key=lambda r: r[0])
     roof = 6 * 3 * inter * d * (0.5 + 1 / 32) / HBM * 1e6
-    log(f"\ngrouped_moe fp4, 384 experts, top-6: roofline at 1 token {roof:.1f} us")
-    for _, times, f16, tile, chunk in results[:14] + [r for r in results if not r[2]][:3]:
-        shown = "  ".join(f"T={t} {ms * 1e3:6.1f} us" for t, ms in zip(inputs, times))
-        log(f"  {'f16 ' if f16 else 'bf16'} {tile_name(tile):<28} up {chunk['up']:>4} down {chunk['down']:>4}: {shown}")
+    log(f"\ngrouped_moe fp4, top-6: roofline at 1 token {roof:.1f} us, at 32 tokens over 32 experts "
+        f"{32 * 3 * inter * d * (0.5 + 1 / 32) / HBM * 1e6:.1f} us")
+    for _, times, form, tile, chunk in results:
+        shown = "  ".join(f"{name} {ms * 1e3:7.1f} us" for name, ms in zip(cases, times))
+        where = (f"BN{tile['BN']} BK{tile['BK']} w{tile['num_warps']} prefetch {int(tile['prefetch'])} "
+                 f"up {chunk['up']} down {chunk['down']}") if tile else "committed tiles"
+        log(f"  {form:<4} {where:<40}: {shown}")
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ from modeling_deepseek_v41.kernels.triton import (  # noqa: E402
 from modeling_deepseek_v41.kernels.triton.linear import (  # noqa: E402
     DECODE_MAX_ROWS, DECODE_TILE, SPLIT_TARGET_PROGRAMS, split_count,
 )
-from modeling_deepseek_v41.kernels.triton.moe import MOE_DECODE_TILE  # noqa: E402
+from modeling_deepseek_v41.kernels.triton.moe import MOE_DECODE_TILE, MOE_ROWS_MAX_TOKENS  # noqa: E402
 from modeling_deepseek_v41.kernels.triton.moe_schedule import expert_blocks  # noqa: E402
 from modeling_deepseek_v41.layers.linear import DeepseekV41Linear  # noqa: E402
 
@@ -348,12 +348,13 @@ def _emulated_moe(tokens, experts, weights, stacks, limit, chunk=8):
     return out
 
 
-@pytest.mark.parametrize("quantized,fp8_dot,f16_slices", [(True, False, None), (True, False, False),
-                                                         (True, True, None), (False, False, None)])
+@pytest.mark.parametrize("quantized,fp8_dot,f16_slices", [(True, False, None), (True, False, True),
+                                                         (True, False, False), (True, True, None),
+                                                         (False, False, None)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_grouped_moe_matches_emulation(quantized, fp8_dot, f16_slices, dtype):
-    """Quantized experts by default take the fp16 slices (f16_slices None at 9 tokens), False the dequantized
-    bf16 tiles: both the emulation's numbers up to fp32 summation order."""
+    """Quantized experts by default take the rows formulation (moe_rows, at 9 tokens), f16_slices True the fp16
+    tensor-core slices, False the dequantized bf16 tiles: all the emulation's numbers up to fp32 summation order."""
     n_experts, d, inter, top_k, t = 6, 64, 64, 3, 9
     stacks = _experts(n_experts, d, inter, quantized, seed=20)
     tokens = _randn(t, d, seed=23, dtype=dtype)
@@ -371,22 +372,27 @@ def test_grouped_moe_matches_emulation(quantized, fp8_dot, f16_slices, dtype):
         assert _rel(out8, ref) < 2e-3
 
 
-@pytest.mark.parametrize("quantized", [True, False])
-def test_grouped_moe_split_k_sums_in_one_launch(quantized):
+@pytest.mark.parametrize("quantized,rows", [(True, None), (True, False), (False, None)])
+def test_grouped_moe_split_k_sums_in_one_launch(quantized, rows):
     """K split across programs (the decode regime's split, forced small here): the last program of each tile adds
-    the partials in split order, so the result matches the emulation and is the same on every call."""
+    the partials in split order, so the result matches the emulation and is the same on every call (the rows
+    formulation, quantized by default, and the tensor-core tiles)."""
     n_experts, d, inter, top_k, t = 4, 192, 128, 2, 3
     stacks = _experts(n_experts, d, inter, quantized, seed=40)
     tokens = _randn(t, d, seed=43, dtype=torch.bfloat16)
     experts, weights = _routing(t, n_experts, top_k, seed=44)
     tile, split = dict(MOE_DECODE_TILE, BK=64), dict(up=64, down=64)  # 3 and 2 splits
-    out = grouped_moe(tokens, experts, weights, *stacks, limit=10.0, tile=tile, k_chunks=split)
-    assert torch.equal(out, grouped_moe(tokens, experts, weights, *stacks, limit=10.0, tile=tile, k_chunks=split))
+    out = grouped_moe(tokens, experts, weights, *stacks, limit=10.0, tile=tile, k_chunks=split, rows=rows)
+    assert torch.equal(out, grouped_moe(tokens, experts, weights, *stacks, limit=10.0, tile=tile, k_chunks=split,
+                                        rows=rows))
     assert _rel(out, _emulated_moe(tokens, experts, weights, stacks, limit=10.0)) < 2e-3
 
 
-def test_grouped_moe_is_batch_invariant():
-    n_experts, d, inter, top_k, t = 6, 64, 64, 3, 19
+@pytest.mark.parametrize("t", [MOE_ROWS_MAX_TOKENS, 19])
+def test_grouped_moe_is_batch_invariant(t):
+    """Within each formulation's token range (the rows up to MOE_ROWS_MAX_TOKENS, the tiles above) a token's sum
+    does not depend on the other tokens of the call."""
+    n_experts, d, inter, top_k = 6, 64, 64, 3
     stacks = _experts(n_experts, d, inter, True, seed=30)
     tokens = _randn(t, d, seed=33, dtype=torch.bfloat16)
     experts, weights = _routing(t, n_experts, top_k, seed=34)
@@ -487,6 +493,7 @@ def test_cuda_grouped_moe_released_shapes(t):
     experts, weights = _routing(t, 384, 6, seed=42)
     ref = _emulated_moe(tokens, experts, weights, stacks, limit=10.0, chunk=2)
     assert _rel(grouped_moe(tokens, experts, weights, *stacks, limit=10.0, fp8_dot=False), ref) < 5e-3
+    assert _rel(grouped_moe(tokens, experts, weights, *stacks, limit=10.0, f16_slices=True), ref) < 5e-3
     assert _rel(grouped_moe(tokens, experts, weights, *stacks, limit=10.0, f16_slices=False), ref) < 5e-3
     assert _rel(grouped_moe(tokens, experts, weights, *stacks, limit=10.0, fp8_dot=True), ref) < 5e-3
 
@@ -497,10 +504,12 @@ def test_cuda_grouped_moe_batch_invariant_and_capturable():
     t = 256
     tokens = _randn(t, 5120, seed=51, dtype=torch.bfloat16)
     experts, weights = _routing(t, 384, 6, seed=52)
-    full = grouped_moe(tokens, experts, weights, *stacks, limit=10.0)
-    for i in range(0, t, 37):
-        assert torch.equal(grouped_moe(tokens[i:i + 1], experts[i:i + 1], weights[i:i + 1], *stacks, limit=10.0),
-                           full[i:i + 1])
+    for count in (MOE_ROWS_MAX_TOKENS, t):  # the rows formulation, then the tiles (forced for the single rows)
+        rows = count <= MOE_ROWS_MAX_TOKENS
+        full = grouped_moe(tokens[:count], experts[:count], weights[:count], *stacks, limit=10.0, rows=rows)
+        for i in range(0, count, 3 if rows else 37):
+            alone = grouped_moe(tokens[i:i + 1], experts[i:i + 1], weights[i:i + 1], *stacks, limit=10.0, rows=rows)
+            assert torch.equal(alone, full[i:i + 1])
     static = (tokens.clone(), experts.clone(), weights.clone())
     grouped_moe(*static, *stacks, limit=10.0)
     graph = torch.cuda.CUDAGraph()

@@ -112,7 +112,13 @@ def e2m1_value(code):
 @triton.jit
 def e8m0_value(s_ptrs, mask):
     """fp32 power of two from E8M0 bytes (2^(byte - 127); byte 0 is 2^-127, a subnormal fp32)."""
-    byte = tl.load(s_ptrs, mask=mask, other=127).to(tl.int32) & 0xFF
+    return e8m0_byte_value(tl.load(s_ptrs, mask=mask, other=127))
+
+
+@triton.jit
+def e8m0_byte_value(byte):
+    """e8m0_value of loaded E8M0 bytes (any integer dtype)."""
+    byte = byte.to(tl.int32) & 0xFF
     normal = (byte << 23).to(tl.float32, bitcast=True)
     return tl.where(byte == 0, 5.877471754111438e-39, normal)
 
@@ -325,9 +331,9 @@ def fp4_nibble_value(word, i: tl.constexpr):
 
 
 @triton.jit
-def fp4_word_values(word, IEEE: tl.constexpr):
-    """[R, W] int32 words of packed e2m1 -> [R, 8W] values x 2^-6 in element order (element 8w + i is nibble i of
-    word w): fp16 from the PTX above, or in the interpreter the same values in fp32."""
+def fp4_word_nibbles(word, IEEE: tl.constexpr):
+    """The 8 nibbles of int32 words of packed e2m1 (nibble i is element 8w + i) as 8 tensors of values x 2^-6, in
+    the words' own shape and layout (no shuffles): fp16 from the PTX above, in the interpreter fp32."""
     if IEEE:
         v0, v1, v2, v3 = fp4_nibble_value(word, 0), fp4_nibble_value(word, 1), fp4_nibble_value(word, 2), \
             fp4_nibble_value(word, 3)
@@ -336,6 +342,14 @@ def fp4_word_values(word, IEEE: tl.constexpr):
     else:
         v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
             _FP4_WORD_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r", [word], (tl.float16,) * 8, True, 1)
+    return v0, v1, v2, v3, v4, v5, v6, v7
+
+
+@triton.jit
+def fp4_word_values(word, IEEE: tl.constexpr):
+    """[R, W] int32 words of packed e2m1 -> [R, 8W] values x 2^-6 in element order (element 8w + i is nibble i of
+    word w): fp16 from the PTX above, or in the interpreter the same values in fp32."""
+    v0, v1, v2, v3, v4, v5, v6, v7 = fp4_word_nibbles(word, IEEE)
     # tl.join adds its pair as the last (fastest) axis: the outermost join splits even from odd elements
     values = tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)), tl.join(tl.join(v1, v5), tl.join(v3, v7)))
     return tl.reshape(values, [word.shape[0], word.shape[1] * 8])

@@ -6,6 +6,9 @@ batch size, and blocks past the real count exit at once. The numerics follow exp
 up rounded to the activation dtype, clamped, h = route_weight * (silu(gate) * up) in fp32 and rounded to the
 activation dtype, FP8 QDQ of h (quantized experts), w2 rounded to the activation dtype, then each token's k
 contributions summed in fp32 in ascending expert order.
+
+Two formulations of the up and down projections: tensor-core tiles of BM rows (here; prefill, dense and FP8
+experts) and, for packed FP4 experts at decode sizes, one row at a time on the CUDA cores (moe_rows.py).
 """
 
 from __future__ import annotations
@@ -14,14 +17,19 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (FMT_DENSE, FMT_FP4_ROW, FMT_FP8_ROW, abs_max, arrive_last, cast, dot_k_range,
-                     fp4_f16_dot_k_range, pow2_ceil_scale, round_e4m3, sum_partials)
+from .common import (FMT_DENSE, FMT_FP4_ROW, FMT_FP8_ROW, arrive_last, cast, dot_k_range, fp4_f16_dot_k_range,
+                     sum_partials)
 from .linear import _TL_DTYPES, dot_dtype_for, launch_tile
+from .moe_rows import ROWS_TILE, rows_moe
 from .moe_schedule import moe_schedule
+from .moe_swiglu import swiglu_store
 from .quant import fp8_act_qdq, fp8_act_quant
 from .workspace import split_buffers
 
 MOE_DECODE_MAX_TOKENS = 256
+# the rows formulation (moe_rows) up to this many tokens: a batch-1 step, DSpark's verify and draft (one formulation
+# for all, so they stay batch invariant); past it the tiles win where an expert sees several rows (H200, 32 experts)
+MOE_ROWS_MAX_TOKENS = 8
 MOE_DECODE_TILE = {"BN": 64, "BM": 16, "BK": 128, "num_warps": 4, "num_stages": 3}
 MOE_PREFILL_TILE = {"BN": 128, "BM": 64, "BK": 64, "num_warps": 8, "num_stages": 3}
 # K columns per split in the decode regime (a constant, so the split count depends on the shapes only): at one
@@ -37,39 +45,6 @@ def _block_rows(block_start_ptr, block_end_ptr, pair_ptr, b, BM: tl.constexpr):
     mask = sorted_rows < end
     pair = tl.load(pair_ptr + sorted_rows, mask=mask, other=0)
     return start, end, sorted_rows, mask, pair
-
-
-@triton.jit
-def _swiglu_store(gate, up, route_ptr, h_ptr, hs_ptr, sorted_rows, mask, pair, offs_n, N, limit, stride_hm,
-                  stride_hsm, BN: tl.constexpr, BM: tl.constexpr, ROUND_DTYPE: tl.constexpr, H_DTYPE: tl.constexpr,
-                  HAS_LIMIT: tl.constexpr, QDQ_OUT: tl.constexpr, FP8_DOT: tl.constexpr, F16: tl.constexpr):
-    """h = route weight * silu(gate) * up with the reference's roundings and clamps. QDQ_OUT (quantized experts): h's
-    FP8 activation quantization per 32 along N (the tile holds whole groups), stored as its exact bf16 values, or
-    for FP8_DOT and F16 as the e4m3 values (in h's dtype: e4m3, or fp16 for F16) and their scales (the down
-    projection's operands)."""
-    gate = cast(gate, ROUND_DTYPE).to(tl.float32)
-    up = cast(up, ROUND_DTYPE).to(tl.float32)
-    if HAS_LIMIT:
-        up = tl.minimum(tl.maximum(up, -limit), limit)
-        gate = tl.minimum(gate, limit)
-    route = tl.load(route_ptr + pair, mask=mask, other=0.0)
-    h = route[None, :] * (gate / (1.0 + tl.exp(-gate)) * up)
-    h = cast(h, H_DTYPE).to(tl.float32)
-    if QDQ_OUT:
-        groups = tl.reshape(h, [BN // 32, 32, BM])
-        amax = tl.maximum(abs_max(groups, 1), 1e-4)
-        scale = pow2_ceil_scale(amax)
-        q = round_e4m3(tl.minimum(tl.maximum(groups / scale[:, None, :], -448.0), 448.0))
-        if FP8_DOT or F16:
-            h = tl.reshape(q, [BN, BM]).to(h_ptr.dtype.element_ty)
-            group = tl.program_id(1) * (BN // 32) + tl.arange(0, BN // 32)
-            tl.store(hs_ptr + sorted_rows[None, :] * stride_hsm + group[:, None], scale,
-                     mask=mask[None, :] & (group[:, None] * 32 < N))
-        else:
-            h = cast(tl.reshape(q * scale[:, None, :], [BN, BM]), h_ptr.dtype.element_ty)
-    else:
-        h = cast(h, h_ptr.dtype.element_ty)
-    tl.store(h_ptr + sorted_rows[None, :] * stride_hm + offs_n[:, None], h, mask=mask[None, :] & (offs_n[:, None] < N))
 
 
 @triton.jit
@@ -114,8 +89,8 @@ def _moe_up_kernel(x_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, hs_ptr,
                          mask, k_start, k_stop, N, K, stride_wn, stride_sn, stride_xm, stride_xsm, BN, BM, BK, WFMT,
                          FP8_DOT, F16, X_DTYPE, DOT_DTYPE, IEEE)
         if splits == 1:
-            _swiglu_store(gate, up, route_ptr, h_ptr, hs_ptr, sorted_rows, mask, pair, offs_n, N, limit, stride_hm,
-                          stride_hsm, BN, BM, ROUND_DTYPE, H_DTYPE, HAS_LIMIT, QDQ_OUT, FP8_DOT, F16)
+            swiglu_store(gate, up, route_ptr, h_ptr, hs_ptr, sorted_rows, mask, pair, offs_n, offs_n, N, limit,
+                         stride_hm, stride_hsm, BN, BM, ROUND_DTYPE, H_DTYPE, HAS_LIMIT, QDQ_OUT, FP8_DOT, F16)
         else:
             offs = sorted_rows[None, :] * N + offs_n[:, None]
             tile_mask = mask[None, :] & (offs_n[:, None] < N)
@@ -125,8 +100,8 @@ def _moe_up_kernel(x_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, hs_ptr,
             if arrive_last(count_ptr, b * tl.num_programs(1) + tl.program_id(1), splits):
                 gate = sum_partials(part_ptr, offs, tile_mask, splits, split_stride)
                 up = sum_partials(part_ptr + P * N, offs, tile_mask, splits, split_stride)
-                _swiglu_store(gate, up, route_ptr, h_ptr, hs_ptr, sorted_rows, mask, pair, offs_n, N, limit,
-                              stride_hm, stride_hsm, BN, BM, ROUND_DTYPE, H_DTYPE, HAS_LIMIT, QDQ_OUT, FP8_DOT, F16)
+                swiglu_store(gate, up, route_ptr, h_ptr, hs_ptr, sorted_rows, mask, pair, offs_n, offs_n, N, limit,
+                             stride_hm, stride_hsm, BN, BM, ROUND_DTYPE, H_DTYPE, HAS_LIMIT, QDQ_OUT, FP8_DOT, F16)
 
 
 @triton.jit
@@ -183,7 +158,7 @@ def grouped_moe(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
                 w1: torch.Tensor, s1: torch.Tensor | None, w3: torch.Tensor, s3: torch.Tensor | None,
                 w2: torch.Tensor, s2: torch.Tensor | None, limit: float, fp8_experts: bool = False,
                 fp8_dot: bool = False, tile: dict | None = None, k_chunks: dict | None = None,
-                f16_slices: bool | None = None) -> torch.Tensor:
+                f16_slices: bool | None = None, rows: bool | None = None) -> torch.Tensor:
     """The routed experts' sum [T, D] in fp32 (the model adds the shared expert, then casts).
 
     tokens [T, D] bf16/fp32; experts [T, k] integer ids; weights [T, k] fp32 routing weights.
@@ -194,9 +169,12 @@ def grouped_moe(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
     Quantized experts: exact bf16 dots on weight tiles dequantized in registers (W4A16 with the QDQ'd activations:
     the emulation's numbers up to fp32 summation order). fp8_dot=True: FP8 tensor cores (W4A8; e4m3 h and its
     scales between the kernels), Hopper's FP8 dots summing below fp32 precision.
-    f16_slices (default: packed FP4 experts in the decode regime): the same exact numbers from fewer operations per
-    weight (common.fp4_f16_dot_k_range: the weights read as int32 words, e4m3 activations and h as fp16 values with
-    their scales).
+    rows (default: packed FP4 experts up to MOE_ROWS_MAX_TOKENS tokens, unless f16_slices or fp8_dot is asked): one
+    activation row at a time on the CUDA cores (moe_rows.py), the same exact numbers without the tensor-core tiles'
+    wasted rows and operand shuffles.
+    f16_slices (default: packed FP4 experts in the rest of the decode regime): the tensor-core tiles with fewer
+    operations per weight (common.fp4_f16_dot_k_range: the weights read as int32 words, e4m3 activations and h as
+    fp16 values with their scales).
     `tile`/`k_chunks` override the regime's tiling and decode splits (benchmarks only)."""
     if tokens.dim() != 2 or experts.dim() != 2 or experts.shape[0] != tokens.shape[0]:
         raise ValueError(f"grouped_moe takes tokens [T, D] and experts [T, k]; got {tuple(tokens.shape)} and "
@@ -215,9 +193,20 @@ def grouped_moe(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
     if quantized and (d % 32 or inter % 32):
         raise ValueError(f"FP4 experts need hidden ({d}) and intermediate ({inter}) sizes divisible by 32")
     decode = t <= MOE_DECODE_MAX_TOKENS
+    fp8_dot = quantized and fp8_dot
+    if rows is None:
+        rows = t <= MOE_ROWS_MAX_TOKENS and fmt == FMT_FP4_ROW and not fp8_dot and f16_slices is None
+    elif rows and (fmt != FMT_FP4_ROW or fp8_dot or f16_slices):
+        raise ValueError("rows takes packed FP4 experts and excludes fp8_dot and f16_slices")
+    route = weights.reshape(-1).to(torch.float32).contiguous()
+    if rows:
+        tile = tile or ROWS_TILE
+        *schedule, order = moe_schedule(experts, n_experts, tile["BM"])
+        contributions = rows_moe(tokens.contiguous(), route, schedule, w1, s1, w3, s3, w2, s2, limit, top_k,
+                                 ieee=tokens.device.type == "cpu", tile=tile, k_chunks=k_chunks)
+        return _combine(contributions, order)
     tile = tile or (MOE_DECODE_TILE if decode else MOE_PREFILL_TILE)
     chunks = (k_chunks or MOE_DECODE_K_CHUNK) if decode else {"up": d, "down": inter}
-    fp8_dot = quantized and fp8_dot
     if f16_slices is None:
         f16_slices = decode and fmt == FMT_FP4_ROW and not fp8_dot
     elif f16_slices and (fmt != FMT_FP4_ROW or fp8_dot):
@@ -242,7 +231,6 @@ def grouped_moe(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
     dtypes = dict(X_DTYPE=_TL_DTYPES[x_dtype], DOT_DTYPE=_TL_DTYPES[dot_dtype], ROUND_DTYPE=_TL_DTYPES[round_dtype],
                   IEEE=dot_dtype == torch.float32, FP8_DOT=fp8_dot, F16=f16_slices, WFMT=fmt, BN=tile["BN"],
                   BM=tile["BM"], BK=tile["BK"], num_warps=launched["num_warps"], num_stages=launched["num_stages"])
-    route = weights.reshape(-1).to(torch.float32).contiguous()
     nb = block_expert.shape[0]
     if f16_slices:  # the packed bytes as int32 words (common.fp4_f16_dot_k_range)
         w1, w3, w2 = (w.view(torch.int32) for w in (w1, w3, w2))
@@ -262,7 +250,14 @@ def grouped_moe(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
         h, hs_arg, w2, s2_arg, contributions, pair_of_row, block_expert, block_start, block_end, part, count, pairs,
         d, inter, k_chunk, splits, h.stride(0), hs_arg.stride(0), w2.stride(0), w2.stride(1), s_e, s_n,
         contributions.stride(0), **dtypes)
-    y = torch.empty(t, d, dtype=torch.float32, device=tokens.device)
+    return _combine(contributions, order)
+
+
+def _combine(contributions: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """Each token's k contributions [T*k, D] summed in fp32 in ascending expert order (order [T, k]: the slots)."""
+    t, top_k = order.shape
+    d = contributions.shape[1]
+    y = torch.empty(t, d, dtype=torch.float32, device=contributions.device)
     block = 1024
     _combine_kernel[(t, triton.cdiv(d, block))](contributions, order, y, d, top_k, contributions.stride(0),
                                                 y.stride(0), BLOCK=block)

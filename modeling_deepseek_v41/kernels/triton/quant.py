@@ -14,11 +14,12 @@ GROUP = WEIGHT_BLOCK  # the FP8 activation QDQ's groups along a row
 
 @triton.jit
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, n_groups, groups_per_row, stride_xm, stride_qm, stride_sm,
-                      GROUPS: tl.constexpr, QDQ: tl.constexpr):
+                      GROUPS: tl.constexpr, QDQ: tl.constexpr, NIBBLE_MAJOR: tl.constexpr):
     """Per row, per 32 values: scale 2^ceil(log2(max(amax, 1e-4) / 448)), values rounded to e4m3 (saturating).
     A program takes GROUPS consecutive groups of the flattened [rows, K/32] grid. QDQ: write the dequantized
     values (exact in bf16) to q; otherwise the e4m3 values to q (in q's dtype: e4m3, or fp16, which holds them
-    exactly) and fp32 scales to s."""
+    exactly) and fp32 scales to s. NIBBLE_MAJOR (QDQ): column c of a row stored at (c % 8) * K/8 + c // 8, the
+    order in which moe_rows multiplies packed FP4 words."""
     g = tl.program_id(0) * GROUPS + tl.arange(0, GROUPS)
     valid = g < n_groups
     row = g // groups_per_row
@@ -30,6 +31,9 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, n_groups, groups_per_row, stride_xm, 
     scale = pow2_ceil_scale(amax)
     q = round_e4m3(tl.minimum(tl.maximum(x / scale[:, None], -448.0), 448.0))
     q_ptrs = q_ptr + (row * stride_qm + col0)[:, None] + lane
+    if NIBBLE_MAJOR:
+        col = col0[:, None] + lane
+        q_ptrs = q_ptr + (row * stride_qm)[:, None] + (col % 8) * (groups_per_row * 4) + col // 8
     if QDQ:
         tl.store(q_ptrs, (q * scale[:, None]).to(q_ptr.dtype.element_ty), mask=mask)
     else:
@@ -47,15 +51,16 @@ def _check_act(x: torch.Tensor) -> torch.Tensor:
 GROUPS_PER_PROGRAM = 64
 
 
-def fp8_act_qdq(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+def fp8_act_qdq(x: torch.Tensor, dtype: torch.dtype | None = None, nibble_major: bool = False) -> torch.Tensor:
     """numerics.fp8_act_qdq on the GPU: x [..., K] -> the QDQ'd values in `dtype` (default x.dtype). The values are
-    e4m3 times powers of two >= 2^-22, so bf16 holds them exactly whatever x's dtype."""
+    e4m3 times powers of two >= 2^-22, so bf16 holds them exactly whatever x's dtype. nibble_major: each row's
+    columns in moe_rows' order (column c at (c % 8) * K/8 + c // 8)."""
     rows = _check_act(x)
     out = torch.empty(rows.shape, dtype=dtype or x.dtype, device=x.device)
     n_groups = rows.numel() // GROUP
     grid = (triton.cdiv(n_groups, GROUPS_PER_PROGRAM),)
     _act_quant_kernel[grid](rows, out, out, n_groups, rows.shape[1] // GROUP, rows.stride(0), out.stride(0), 0,
-                            GROUPS=GROUPS_PER_PROGRAM, QDQ=True)
+                            GROUPS=GROUPS_PER_PROGRAM, QDQ=True, NIBBLE_MAJOR=nibble_major)
     return out.view(*x.shape[:-1], x.shape[-1])
 
 
@@ -70,7 +75,7 @@ def fp8_act_quant(x: torch.Tensor, values_dtype: torch.dtype = torch.float8_e4m3
     n_groups = m * k // GROUP
     _act_quant_kernel[(triton.cdiv(n_groups, GROUPS_PER_PROGRAM),)](
         rows, q, s, n_groups, k // GROUP, rows.stride(0), q.stride(0), s.stride(0), GROUPS=GROUPS_PER_PROGRAM,
-        QDQ=False)
+        QDQ=False, NIBBLE_MAJOR=False)
     return q, s
 
 

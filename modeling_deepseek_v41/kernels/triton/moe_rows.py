@@ -1,0 +1,224 @@
+"""The grouped MoE's decode formulation for packed FP4 experts: one activation row at a time on the CUDA cores.
+
+At decode sizes an expert sees a row or a few, so a tensor-core tile wastes most of its rows, and the tiles' operand
+shuffles cost ~15 instructions per weight byte (moe.py). Here each thread keeps its own 16-byte runs of the packed
+weight (one 32-column scale group of one weight row), turns each int32 word into its eight values with a few
+integer operations and the hardware's e4m3x2 -> f16x2 conversion (common.fp4_word_nibbles), and multiplies them by
+the row's activations in fp32 FMAs. The activations arrive QDQ'd in fp32, their columns in nibble-major order
+(x[i * K/8 + w] is column 8w + i), so the values of nibble i of a thread's words meet theirs in one vector load, with
+no shuffle. Products of e2m1 and e4m3 values times powers of two are exact in fp32: the emulation's numbers up to
+fp32 summation order, which is fixed per row (each row is summed alone, in the same order whatever the call's rows):
+batch invariant. Blocks, splits and the SwiGLU epilogue are moe.py's.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import arrive_last, cast, e8m0_byte_value, fp4_word_nibbles, reduce_sum, sum_partials
+from .linear import _TL_DTYPES
+from .moe_swiglu import swiglu_store
+from .quant import fp8_act_qdq
+from .workspace import split_buffers
+
+ROWS_TILE = {"BN": 64, "BK": 128, "BM": 16, "num_warps": 4, "prefetch": True}
+# K columns per split, constants so the split count depends on the shapes only (fills the GPU at one token)
+ROWS_K_CHUNK = {"up": 1280, "down": 1152}
+
+
+@triton.jit
+def _slice_words(w_ptr, s_ptr, words, scales, k):
+    """The packed words [BN, BK/32, 4] and E8M0 scale bytes [BN, BK/32] of the BK-column slice at column k."""
+    kw = tl.multiple_of(k // 8, 4)  # slices start at multiples of 32 columns: 16-byte loads
+    return tl.load(w_ptr + kw + words), tl.load(s_ptr + k // 32 + scales)
+
+
+@triton.jit
+def _slice_dot(word, byte, x, k, KW, IEEE: tl.constexpr):
+    """[BN, BK/32] partial sums of one slice: the weight rows' words times the row's nibble-major activations x
+    (offsets at the words' shape, stride 0 over weight rows), each 32-column group scaled by its E8M0 scale (and
+    2^6, undoing fp4_word_nibbles' 2^-6)."""
+    v0, v1, v2, v3, v4, v5, v6, v7 = fp4_word_nibbles(word, IEEE)
+    xk = x + tl.multiple_of(k // 8, 4)
+    part = v0.to(tl.float32) * tl.load(xk)
+    part += v1.to(tl.float32) * tl.load(xk + KW)
+    part += v2.to(tl.float32) * tl.load(xk + 2 * KW)
+    part += v3.to(tl.float32) * tl.load(xk + 3 * KW)
+    part += v4.to(tl.float32) * tl.load(xk + 4 * KW)
+    part += v5.to(tl.float32) * tl.load(xk + 5 * KW)
+    part += v6.to(tl.float32) * tl.load(xk + 6 * KW)
+    part += v7.to(tl.float32) * tl.load(xk + 7 * KW)
+    return reduce_sum(part, 2) * (64.0 * e8m0_byte_value(byte))
+
+
+@triton.jit
+def _row_dots(w_ptr, s_ptr, w2_ptr, s2_ptr, x_row, rows_n, k_start, k_stop, KW, stride_wn, stride_sn,
+              BN: tl.constexpr, BK: tl.constexpr, TWO: tl.constexpr, PREFETCH: tl.constexpr, IEEE: tl.constexpr):
+    """[BN] dot of weight rows rows_n with one activation row over columns k_start..k_stop (whole BK slices); TWO:
+    also the second weight's (the up projection's w1 and w3 in one pass over the row). PREFETCH: each slice's
+    weights are loaded one slice ahead, so their latency hides behind the previous slice's arithmetic."""
+    G: tl.constexpr = BK // 32
+    KW = tl.multiple_of(KW, 4)  # K is a multiple of 32
+    g = tl.arange(0, G)[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]
+    words = rows_n[:, None, None] * stride_wn + g
+    x = x_row + rows_n[:, None, None] * 0 + g
+    scales = rows_n[:, None] * stride_sn + tl.arange(0, G)[None, :]
+    acc = tl.full([BN, G], 0.0, tl.float32)
+    acc2 = tl.full([BN, G], 0.0, tl.float32)
+    if PREFETCH:
+        word, byte = _slice_words(w_ptr, s_ptr, words, scales, k_start)
+        if TWO:
+            word2, byte2 = _slice_words(w2_ptr, s2_ptr, words, scales, k_start)
+    for k in range(k_start, k_stop, BK):
+        if PREFETCH:  # the last slice reloads itself (a cache hit) rather than masking
+            ahead = tl.minimum(k + BK, k_stop - BK)
+            next_word, next_byte = _slice_words(w_ptr, s_ptr, words, scales, ahead)
+            acc += _slice_dot(word, byte, x, k, KW, IEEE)
+            word, byte = next_word, next_byte
+            if TWO:
+                next_word2, next_byte2 = _slice_words(w2_ptr, s2_ptr, words, scales, ahead)
+                acc2 += _slice_dot(word2, byte2, x, k, KW, IEEE)
+                word2, byte2 = next_word2, next_byte2
+        else:
+            word, byte = _slice_words(w_ptr, s_ptr, words, scales, k)
+            acc += _slice_dot(word, byte, x, k, KW, IEEE)
+            if TWO:
+                word2, byte2 = _slice_words(w2_ptr, s2_ptr, words, scales, k)
+                acc2 += _slice_dot(word2, byte2, x, k, KW, IEEE)
+    return reduce_sum(acc, 1), reduce_sum(acc2, 1)
+
+
+@triton.jit
+def _row_swiglu(gate, up, r, pair, route_ptr, h_ptr, offs_n, N, limit, stride_hm, BN: tl.constexpr,
+                ROUND_DTYPE: tl.constexpr, H_DTYPE: tl.constexpr, HAS_LIMIT: tl.constexpr):
+    """The SwiGLU epilogue of one row, h stored QDQ'd in fp32 in nibble-major order (the down projection's x)."""
+    zero = tl.full([1], 0, tl.int32)
+    h_cols = (offs_n % 8) * (N // 8) + offs_n // 8
+    swiglu_store(gate[:, None], up[:, None], route_ptr, h_ptr, h_ptr, r + zero, zero == 0, pair + zero, offs_n, h_cols,
+                 N, limit, stride_hm, 0, BN, 1, ROUND_DTYPE, H_DTYPE, HAS_LIMIT, True, False, False)
+
+
+@triton.jit
+def _moe_rows_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, route_ptr, pair_ptr, block_expert_ptr,
+                        block_start_ptr, block_end_ptr, part_ptr, count_ptr, P, N, K, k_chunk, splits, top_k, limit,
+                        stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_hm,
+                        BN: tl.constexpr, BK: tl.constexpr, ROUND_DTYPE: tl.constexpr, H_DTYPE: tl.constexpr,
+                        HAS_LIMIT: tl.constexpr, PREFETCH: tl.constexpr, IEEE: tl.constexpr):
+    """h for the rows of one block of one expert, BN columns, one split of K: w1 and w3 in one pass per row; with
+    splits, the last program of the tile sums the partials and applies the SwiGLU."""
+    b = tl.program_id(0)
+    start = tl.load(block_start_ptr + b)
+    end = tl.load(block_end_ptr + b)
+    if start < end:  # blocks past the real count do nothing
+        expert = tl.load(block_expert_ptr + b).to(tl.int64)
+        w1, s1 = w1_ptr + expert * stride_we, s1_ptr + expert * stride_se
+        w3, s3 = w3_ptr + expert * stride_we, s3_ptr + expert * stride_se
+        offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+        rows_n = tl.minimum(offs_n, N - 1)  # columns past N repeat the last (not stored): loads need no mask
+        k_start = tl.program_id(2) * k_chunk
+        k_stop = tl.minimum(k_start + k_chunk, K)
+        split_stride = 2 * P * N  # per split: the gate partials, then the up partials
+        for r in range(start, end):
+            pair = tl.load(pair_ptr + r)
+            gate, up = _row_dots(w1, s1, w3, s3, x_ptr + (pair // top_k).to(tl.int64) * stride_xm, rows_n, k_start,
+                                 k_stop, K // 8, stride_wn, stride_sn, BN, BK, True, PREFETCH, IEEE)
+            if splits == 1:
+                _row_swiglu(gate, up, r, pair, route_ptr, h_ptr, offs_n, N, limit, stride_hm, BN, ROUND_DTYPE,
+                            H_DTYPE, HAS_LIMIT)
+            else:
+                offs = part_ptr + tl.program_id(2) * split_stride + r * N + offs_n
+                tl.store(offs, gate, mask=offs_n < N)
+                tl.store(offs + P * N, up, mask=offs_n < N)
+        if splits > 1:
+            if arrive_last(count_ptr, b * tl.num_programs(1) + tl.program_id(1), splits):
+                for r in range(start, end):
+                    gate = sum_partials(part_ptr, r * N + offs_n, offs_n < N, splits, split_stride)
+                    up = sum_partials(part_ptr + P * N, r * N + offs_n, offs_n < N, splits, split_stride)
+                    _row_swiglu(gate, up, r, tl.load(pair_ptr + r), route_ptr, h_ptr, offs_n, N, limit, stride_hm,
+                                BN, ROUND_DTYPE, H_DTYPE, HAS_LIMIT)
+
+
+@triton.jit
+def _moe_rows_down_kernel(h_ptr, w2_ptr, s2_ptr, c_ptr, pair_ptr, block_expert_ptr, block_start_ptr, block_end_ptr,
+                          part_ptr, count_ptr, P, N, K, k_chunk, splits, stride_hm, stride_we, stride_wn, stride_se,
+                          stride_sn, stride_cm, BN: tl.constexpr, BK: tl.constexpr, ROUND_DTYPE: tl.constexpr,
+                          PREFETCH: tl.constexpr, IEEE: tl.constexpr):
+    """contribution[pair, n] = h[sorted row] @ w2[expert]^T rounded to the activation dtype, row by row (one split
+    of K per program; with splits, the last program of the tile sums the partials)."""
+    b = tl.program_id(0)
+    start = tl.load(block_start_ptr + b)
+    end = tl.load(block_end_ptr + b)
+    if start < end:
+        expert = tl.load(block_expert_ptr + b).to(tl.int64)
+        w2, s2 = w2_ptr + expert * stride_we, s2_ptr + expert * stride_se
+        offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+        rows_n = tl.minimum(offs_n, N - 1)
+        k_start = tl.program_id(2) * k_chunk
+        k_stop = tl.minimum(k_start + k_chunk, K)
+        for r in range(start, end):
+            acc, _ = _row_dots(w2, s2, w2, s2, h_ptr + r * stride_hm, rows_n, k_start, k_stop, K // 8,
+                               stride_wn, stride_sn, BN, BK, False, PREFETCH, IEEE)
+            if splits == 1:
+                tl.store(c_ptr + tl.load(pair_ptr + r).to(tl.int64) * stride_cm + offs_n,
+                         cast(cast(acc, ROUND_DTYPE).to(tl.float32), c_ptr.dtype.element_ty), mask=offs_n < N)
+            else:
+                tl.store(part_ptr + tl.program_id(2) * P * N + r * N + offs_n, acc, mask=offs_n < N)
+        if splits > 1:
+            if arrive_last(count_ptr, b * tl.num_programs(1) + tl.program_id(1), splits):
+                for r in range(start, end):
+                    acc = sum_partials(part_ptr, r * N + offs_n, offs_n < N, splits, P * N)
+                    tl.store(c_ptr + tl.load(pair_ptr + r).to(tl.int64) * stride_cm + offs_n,
+                             cast(cast(acc, ROUND_DTYPE).to(tl.float32), c_ptr.dtype.element_ty), mask=offs_n < N)
+
+
+def _slice_width(k: int, bk: int) -> int:
+    """The widest of bk, bk/2, ... 32 that divides k (k is a multiple of 32): the kernels' slices need no mask."""
+    while k % bk:
+        bk //= 2
+    return bk
+
+
+def _launch(blocks: int, n: int, k: int, chunk: int, bn: int, bk: int, partial_rows: int, device: torch.device):
+    """(grid, partials, counts, K columns per split, splits, slice width) of one projection."""
+    bk = _slice_width(k, bk)
+    k_chunk = triton.cdiv(min(chunk, k), bk) * bk
+    splits = triton.cdiv(k, k_chunk)
+    grid = (blocks, triton.cdiv(n, bn), splits)
+    part, count = split_buffers(splits, (partial_rows, n), blocks * grid[1], device)
+    return grid, part, count, k_chunk, splits, bk
+
+
+def rows_moe(tokens: torch.Tensor, route: torch.Tensor, schedule: tuple, w1: torch.Tensor, s1: torch.Tensor,
+             w3: torch.Tensor, s3: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, limit: float, top_k: int,
+             ieee: bool, tile: dict | None = None, k_chunks: dict | None = None) -> torch.Tensor:
+    """The contributions [pairs, D] (activation dtype) of every (token, expert) pair, for moe.grouped_moe.
+
+    tokens [T, D]; route [T*k] fp32 routing weights; schedule moe_schedule's (pair_of_row, block_expert,
+    block_start, block_end) for tile["BM"]-row blocks; w1, w3 [E, I, D/2] and w2 [E, D, I/2] packed FP4 with E8M0
+    scales [E, N, K/32]."""
+    tile, chunks = tile or ROWS_TILE, k_chunks or ROWS_K_CHUNK
+    pair_of_row, block_expert, block_start, block_end = schedule
+    t, d = tokens.shape
+    inter, pairs, nb = w1.shape[1], t * top_k, block_expert.shape[0]
+    act_dtype = tokens.dtype
+    x = fp8_act_qdq(tokens, torch.float32, nibble_major=True)
+    h = torch.empty(pairs, inter, dtype=torch.float32, device=tokens.device)
+    w1, w3, w2 = (w.view(torch.int32) for w in (w1, w3, w2))
+    s1, s3, s2 = (s.view(torch.uint8) for s in (s1, s3, s2))
+    launch = dict(num_warps=tile["num_warps"], IEEE=ieee, BN=tile["BN"], PREFETCH=tile.get("prefetch", True))
+    rounding = dict(ROUND_DTYPE=_TL_DTYPES[act_dtype])
+    grid, part, count, k_chunk, splits, bk = _launch(nb, inter, d, chunks["up"], tile["BN"], tile["BK"], 2 * pairs,
+                                                     tokens.device)
+    _moe_rows_up_kernel[grid](x, w1, s1, w3, s3, h, route, pair_of_row, block_expert, block_start, block_end, part,
+                              count, pairs, inter, d, k_chunk, splits, top_k, float(limit), x.stride(0), w1.stride(0),
+                              w1.stride(1), s1.stride(0), s1.stride(1), h.stride(0), BK=bk,
+                              H_DTYPE=_TL_DTYPES[act_dtype], HAS_LIMIT=limit > 0, **rounding, **launch)
+    contributions = torch.empty(pairs, d, dtype=act_dtype, device=tokens.device)
+    grid, part, count, k_chunk, splits, bk = _launch(nb, d, inter, chunks["down"], tile["BN"], tile["BK"], pairs,
+                                                     tokens.device)
+    _moe_rows_down_kernel[grid](h, w2, s2, contributions, pair_of_row, block_expert, block_start, block_end, part,
+                                count, pairs, d, inter, k_chunk, splits, h.stride(0), w2.stride(0), w2.stride(1),
+                                s2.stride(0), s2.stride(1), contributions.stride(0), BK=bk, **rounding, **launch)
+    return contributions
