@@ -289,6 +289,25 @@ def test_a_second_generate_call_records_nothing():
     assert len(model.decode_graphs) == 0
 
 
+@pytest.mark.skipif(not DEFAULT_CHECKPOINT.exists(), reason="examples/default-checkpoint is not built")
+@pytest.mark.parametrize("options", [{}, {"cuda_graphs": True}, {"use_dspark": True, "cuda_graphs": True}],
+                         ids=["eager", "graphs", "dspark-graphs"])
+def test_generate_on_cuda_stops_on_nan_logits(options):
+    """On CUDA the invalid-logits check reads its verdicts once they land (no host read per processor call):
+    NaN logits still stop generate() with InvalidLogitsError before it returns, naming the row and the kind."""
+    from modeling_deepseek_v41.model.generation import InvalidLogitsError
+    from training.evaluate import text_prompts
+
+    model, processor = _default_on_cuda()
+    ids = text_prompts(processor.tokenizer, 1)[0].cuda()
+    hook = model.lm_head.register_forward_hook(lambda module, args, output: torch.full_like(output, float("nan")))
+    try:
+        with pytest.raises(InvalidLogitsError, match="every logit of row 0 is NaN"):
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False, **options)
+    finally:
+        hook.remove()
+
+
 def test_lora_on_the_shipped_weights_trains_on_the_kernels():
     """LoRA on the quantized default on CUDA: the frozen FP8/FP4 linears run forward on the kernels and give the input
     gradient through the dequantize kernel; the adapters' gradients match the CPU emulation's, the loss falls and the

@@ -21,7 +21,7 @@ from ..inputs import check_generate_inputs, prompt_rows
 from .dspark import DSparkCandidateGenerator, dspark_generation_config
 from .graph_decoder import check_graph_decoding
 from .graph_store import DeepseekV41DecodeGraphs, GenerationGraphs
-from .invalid_logits import with_invalid_logits_check
+from .invalid_logits import CALL_CHECKER, StopOnInvalidLogits, with_invalid_logits_check
 
 SUPPORTED_CACHE_IMPLEMENTATIONS = (None, "dynamic", "static")
 
@@ -102,10 +102,14 @@ class DeepseekV41GenerationMixin(GenerationMixin):
         run = GenerationRun(cuda_graphs=cuda_graphs)
         if isinstance(cache, DeepseekV41Cache):
             cache.generation_run = run
+        checker = StopOnInvalidLogits(deferred=True)
+        context = CALL_CHECKER.set(checker)
         start = time.perf_counter()
         try:
             output = super().generate(*args, **kwargs)
+            checker.finish()
         finally:
+            CALL_CHECKER.reset(context)
             elapsed = time.perf_counter() - start
             if run.graphs is not None:
                 run.graphs.close()
