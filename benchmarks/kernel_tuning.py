@@ -82,8 +82,9 @@ def sweep_moe() -> None:
         tokens = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
         routes = [torch.rand(t, experts, device="cuda").topk(k, dim=-1).indices for _ in range(4)]
         cases[f"T={t} E={experts}"] = (tokens, routes, torch.rand(t, k, device="cuda"))
-    rows_tiles = [dict(BN=bn, BM=16, BK=bk, num_warps=w) for bn, bk, w in
-                  [(64, 128, 4), (32, 128, 4), (64, 256, 4), (32, 256, 4), (128, 128, 8), (64, 64, 4), (32, 64, 2)]]
+    rows_tiles = [dict(BN=bn, BM=16, BK=bk, num_warps=w, num_stages=st) for bn, bk, w, st in
+                  [(64, 128, 4, 1), (64, 128, 4, 2), (64, 128, 4, 3), (32, 128, 4, 2), (32, 128, 4, 3),
+                   (64, 64, 4, 3), (64, 64, 4, 4), (32, 64, 2, 3), (64, 256, 4, 2), (128, 128, 8, 2)]]
     chunks = [dict(up=u, down=dn) for u, dn in [(1280, 1152), (640, 576)]]
     variants = [("rows", tile, chunk) for tile, chunk in itertools.product(rows_tiles, chunks)]
     variants += [("f16", None, None), ("bf16", None, None)]
@@ -106,8 +107,8 @@ def sweep_moe() -> None:
         f"{32 * 3 * inter * d * (0.5 + 1 / 32) / HBM * 1e6:.1f} us")
     for _, times, form, tile, chunk in results:
         shown = "  ".join(f"{name} {ms * 1e3:7.1f} us" for name, ms in zip(cases, times))
-        where = f"BN{tile['BN']} BK{tile['BK']} w{tile['num_warps']} up {chunk['up']} down {chunk['down']}" if tile \
-            else "committed tiles"
+        where = (f"BN{tile['BN']} BK{tile['BK']} w{tile['num_warps']} s{tile['num_stages']} up {chunk['up']} "
+                 f"down {chunk['down']}") if tile else "committed tiles"
         log(f"  {form:<4} {where:<40}: {shown}")
 
 

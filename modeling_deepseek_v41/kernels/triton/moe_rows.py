@@ -23,7 +23,8 @@ from .moe_swiglu import swiglu_store
 from .quant import fp8_act_qdq
 from .workspace import split_buffers
 
-ROWS_TILE = {"BN": 64, "BK": 128, "BM": 16, "num_warps": 4}  # the fastest of a sweep on the H200
+# the fastest of a sweep on the H200 (num_stages > 1, Triton's cp.async pipeline of the slices, not yet measured)
+ROWS_TILE = {"BN": 64, "BK": 128, "BM": 16, "num_warps": 4, "num_stages": 1}
 # K columns per split, constants so the split count depends on the shapes only (fills the GPU at one token)
 ROWS_K_CHUNK = {"up": 1280, "down": 1152}
 
@@ -55,10 +56,11 @@ def _slice_dot(word, byte, x, k, KW, IEEE: tl.constexpr):
 
 @triton.jit
 def _row_dots(w_ptr, s_ptr, w2_ptr, s2_ptr, x_row, rows_n, k_start, k_stop, KW, stride_wn, stride_sn,
-              BN: tl.constexpr, BK: tl.constexpr, TWO: tl.constexpr, IEEE: tl.constexpr):
+              BN: tl.constexpr, BK: tl.constexpr, TWO: tl.constexpr, STAGES: tl.constexpr, IEEE: tl.constexpr):
     """[BN] dot of weight rows rows_n with one activation row over columns k_start..k_stop (whole BK slices); TWO:
-    also the second weight's (the up projection's w1 and w3 in one pass over the row). Loading each slice one
-    ahead (registers) measured slower on the H200: 118 against 95 us per 384-expert layer at one token."""
+    also the second weight's (the up projection's w1 and w3 in one pass over the row). STAGES > 1: Triton's
+    software pipeline copies the slices STAGES - 1 ahead into shared memory (cp.async); loading each slice one
+    ahead in registers measured slower on the H200 (118 against 95 us per 384-expert layer at one token)."""
     G: tl.constexpr = BK // 32
     KW = tl.multiple_of(KW, 4)  # K is a multiple of 32
     g = tl.arange(0, G)[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]
@@ -67,7 +69,7 @@ def _row_dots(w_ptr, s_ptr, w2_ptr, s2_ptr, x_row, rows_n, k_start, k_stop, KW, 
     scales = rows_n[:, None] * stride_sn + tl.arange(0, G)[None, :]
     acc = tl.full([BN, G], 0.0, tl.float32)
     acc2 = tl.full([BN, G], 0.0, tl.float32)
-    for k in range(k_start, k_stop, BK):
+    for k in tl.range(k_start, k_stop, BK, num_stages=STAGES):
         word, byte = _slice_words(w_ptr, s_ptr, words, scales, k)
         acc += _slice_dot(word, byte, x, k, KW, IEEE)
         if TWO:
@@ -91,7 +93,7 @@ def _moe_rows_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, route_ptr,
                         block_start_ptr, block_end_ptr, part_ptr, count_ptr, P, N, K, k_chunk, splits, top_k, limit,
                         stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_hm,
                         BN: tl.constexpr, BK: tl.constexpr, ROUND_DTYPE: tl.constexpr, H_DTYPE: tl.constexpr,
-                        HAS_LIMIT: tl.constexpr, IEEE: tl.constexpr):
+                        HAS_LIMIT: tl.constexpr, STAGES: tl.constexpr, IEEE: tl.constexpr):
     """h for the rows of one block of one expert, BN columns, one split of K: w1 and w3 in one pass per row; with
     splits, the last program of the tile sums the partials and applies the SwiGLU."""
     b = tl.program_id(0)
@@ -109,7 +111,7 @@ def _moe_rows_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, route_ptr,
         for r in range(start, end):
             pair = tl.load(pair_ptr + r)
             gate, up = _row_dots(w1, s1, w3, s3, x_ptr + (pair // top_k).to(tl.int64) * stride_xm, rows_n, k_start,
-                                 k_stop, K // 8, stride_wn, stride_sn, BN, BK, True, IEEE)
+                                 k_stop, K // 8, stride_wn, stride_sn, BN, BK, True, STAGES, IEEE)
             if splits == 1:
                 _row_swiglu(gate, up, r, pair, route_ptr, h_ptr, offs_n, N, limit, stride_hm, BN, ROUND_DTYPE,
                             H_DTYPE, HAS_LIMIT)
@@ -130,7 +132,7 @@ def _moe_rows_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, route_ptr,
 def _moe_rows_down_kernel(h_ptr, w2_ptr, s2_ptr, c_ptr, pair_ptr, block_expert_ptr, block_start_ptr, block_end_ptr,
                           part_ptr, count_ptr, P, N, K, k_chunk, splits, stride_hm, stride_we, stride_wn, stride_se,
                           stride_sn, stride_cm, BN: tl.constexpr, BK: tl.constexpr, ROUND_DTYPE: tl.constexpr,
-                          IEEE: tl.constexpr):
+                          STAGES: tl.constexpr, IEEE: tl.constexpr):
     """contribution[pair, n] = h[sorted row] @ w2[expert]^T rounded to the activation dtype, row by row (one split
     of K per program; with splits, the last program of the tile sums the partials)."""
     b = tl.program_id(0)
@@ -145,7 +147,7 @@ def _moe_rows_down_kernel(h_ptr, w2_ptr, s2_ptr, c_ptr, pair_ptr, block_expert_p
         k_stop = tl.minimum(k_start + k_chunk, K)
         for r in range(start, end):
             acc, _ = _row_dots(w2, s2, w2, s2, h_ptr + r * stride_hm, rows_n, k_start, k_stop, K // 8,
-                               stride_wn, stride_sn, BN, BK, False, IEEE)
+                               stride_wn, stride_sn, BN, BK, False, STAGES, IEEE)
             if splits == 1:
                 tl.store(c_ptr + tl.load(pair_ptr + r).to(tl.int64) * stride_cm + offs_n,
                          cast(cast(acc, ROUND_DTYPE).to(tl.float32), c_ptr.dtype.element_ty), mask=offs_n < N)
@@ -193,7 +195,7 @@ def rows_moe(tokens: torch.Tensor, route: torch.Tensor, schedule: tuple, w1: tor
     h = torch.empty(pairs, inter, dtype=torch.float32, device=tokens.device)
     w1, w3, w2 = (w.view(torch.int32) for w in (w1, w3, w2))
     s1, s3, s2 = (s.view(torch.uint8) for s in (s1, s3, s2))
-    launch = dict(num_warps=tile["num_warps"], IEEE=ieee, BN=tile["BN"])
+    launch = dict(num_warps=tile["num_warps"], IEEE=ieee, BN=tile["BN"], STAGES=tile.get("num_stages", 1))
     rounding = dict(ROUND_DTYPE=_TL_DTYPES[act_dtype])
     grid, part, count, k_chunk, splits, bk = _launch(nb, inter, d, chunks["up"], tile["BN"], tile["BK"], 2 * pairs,
                                                      tokens.device)
