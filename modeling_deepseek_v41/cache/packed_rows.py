@@ -9,13 +9,13 @@ import copy
 
 import torch
 
+from ..kernels.fp4_rows import fp4_quantize_rows
 from ..kernels.numerics import (
     INDEX_BLOCK,
     POOL_KV_BLOCK,
     WEIGHT_BLOCK,
     e8m0_bytes,
     fp4_dequantize_rows,
-    fp4_quantize_rows,
     fp8_dequantize_rows,
     fp8_quantize_rows,
 )

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from ..config.layer_plan import LayerSpec
-from ..kernels.numerics import POOL_KV_BLOCK, fp4_quantize_rows, weight_dtype
+from ..kernels.fp4_rows import fp4_quantize_rows
+from ..kernels.numerics import POOL_KV_BLOCK, weight_dtype
 from ..kernels.sparse_attention import attend_stored, sparse_attention, window_kv
 from .compressor import DeepseekV41Compressor
 from .indexer import QUERY_CHUNK, DeepseekV41Indexer  # queries attended per step: as many as are indexed

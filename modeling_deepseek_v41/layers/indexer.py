@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..kernels.numerics import INDEX_BLOCK, fp4_qdq, fp4_quantize_rows
+from ..kernels.fp4_rows import fp4_qdq, fp4_quantize_rows
+from ..kernels.numerics import INDEX_BLOCK
 from ..kernels.sparse_attention import candidate_mask, candidate_positions, select_candidate_blocks, stable_topk_indices
 from .kv_store import PoolView
 from .linear import DeepseekV41Linear, DeepseekV41RMSNorm

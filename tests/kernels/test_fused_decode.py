@@ -20,9 +20,10 @@ if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"  # read when a kernel is defined, so before the kernel modules load
 
 from modeling_deepseek_v41.kernels import mhc  # noqa: E402
+from modeling_deepseek_v41.kernels import numerics  # noqa: E402
 from modeling_deepseek_v41.kernels.numerics import fp4_quantize_rows, fp8_quantize_rows  # noqa: E402
 from modeling_deepseek_v41.kernels.sparse_attention import StoredPool, StoredWindow, attend_stored  # noqa: E402
-from modeling_deepseek_v41.kernels.triton import hc_expand, hc_step, stored_attention  # noqa: E402
+from modeling_deepseek_v41.kernels.triton import fp4_rows, hc_expand, hc_step, stored_attention  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
 EXACT = 1e-10  # float64: the same math, only the summation order differs
@@ -270,3 +271,24 @@ def test_static_decode_steps_with_the_fused_ops_equal_the_exact_steps(monkeypatc
         fused = [model(ids[:, t:t + 1], cache=fused_cache).logits for t in range(27, 29)]
     for got, ref in zip(fused, exact):
         assert _rel(got, ref) <= EXACT
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16] + ([] if CUDA else [torch.float64]))
+@pytest.mark.parametrize("block, scale_format", [(32, "e8m0"), (16, "e4m3")], ids=["index", "pool"])
+def test_fp4_rows_equal_the_numerics_bit_for_bit(dtype, block, scale_format):
+    """The one-launch FP4 row quantization (index queries' QDQ, index keys and compressed KV rows packed) gives
+    numerics' bits: values (signed zeros too), packed codes and scales; over 40 binades, with exact ties of the
+    e2m1 grid, zero and negative-zero groups."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 3, 128, generator=g) * torch.logspace(-30, 10, 128)
+    x[0, 0, :32] = 0.0
+    x[0, 1, :32] = -0.0
+    x[1, 0, :16] = torch.tensor([6, .25, .75, 1.25, 1.75, 2.5, 3.5, 5, -.25, -.75, -1.25, -1.75, -2.5, -3.5, -5, 0])
+    x = x.to(dtype)
+    expected = numerics.fp4_qdq(x, block, scale_format)
+    got = fp4_rows(x.to(DEVICE), block, scale_format, packed=False).cpu()
+    assert got.dtype == dtype and torch.equal(torch.signbit(got), torch.signbit(expected))
+    assert torch.equal(got, expected)
+    codes, scales = fp4_rows(x.to(DEVICE), block, scale_format, packed=True)
+    expected_codes, expected_scales = numerics.fp4_quantize_rows(x, block, scale_format)
+    assert torch.equal(codes.cpu(), expected_codes) and torch.equal(scales.cpu(), expected_scales)

@@ -1,4 +1,5 @@
-"""The reference's FP8 activation quantization on the GPU, and the exact FP4 -> FP8 weight re-encode."""
+"""The reference's FP8 activation quantization and FP4 row quantization on the GPU, and the exact FP4 -> FP8 weight
+re-encode."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import triton
 import triton.language as tl
 
 from ..numerics import WEIGHT_BLOCK
-from .common import abs_max, e2m1_value, pow2_ceil_scale, round_e4m3
+from .common import abs_max, cast, e2m1_value, pow2_ceil_scale, round_e4m3
 
 GROUP = WEIGHT_BLOCK  # the FP8 activation QDQ's groups along a row
 
@@ -98,3 +99,62 @@ def fp4_to_fp8_weight(packed: torch.Tensor) -> torch.Tensor:
     block = 1024
     _fp4_to_fp8_kernel[(triton.cdiv(n, block),)](packed.view(torch.uint8), out, n, BLOCK=block)
     return out
+
+
+@triton.jit
+def _fp4_rows_kernel(x_ptr, out_ptr, scale_ptr, n_groups, BLOCK: tl.constexpr, GROUPS: tl.constexpr,
+                     E4M3_SCALE: tl.constexpr, PACKED: tl.constexpr):
+    """numerics.fp4_qdq (PACKED False: the dequantized values to out) or numerics.fp4_quantize_rows (PACKED: the
+    packed e2m1 bytes to out, the fp32 scales to scale_ptr) of GROUPS groups of BLOCK consecutive values. Scale:
+    E4M3 of amax / 6 (division correctly rounded, as the CPU's) or the E8M0 power of two 2^ceil(log2(amax / 6));
+    codes rounded to nearest even on the e2m1 grid (ties at 0.75, 1.75, 3.5 go up, the others down)."""
+    g = tl.program_id(0) * GROUPS + tl.arange(0, GROUPS)
+    live = g < n_groups
+    lane = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + g[:, None] * BLOCK + lane[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+    amax = abs_max(x, 1)
+    if E4M3_SCALE:
+        scale = round_e4m3(tl.minimum(tl.math.div_rn(tl.maximum(amax, 0.01171875), 6.0), 448.0))
+        v = tl.math.div_rn(x, scale[:, None])
+    else:
+        product = tl.maximum(amax, 6.0 * 2.0**-126) * 0.16666666666666666
+        bits = product.to(tl.int32, bitcast=True)
+        scale = ((((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)) << 23).to(tl.float32, bitcast=True)
+        v = x / scale[:, None]  # a power of two: exact
+    v = tl.minimum(tl.maximum(v, -6.0), 6.0)
+    m = tl.abs(v)
+    code = ((m > 0.25).to(tl.int32) + (m >= 0.75).to(tl.int32) + (m > 1.25).to(tl.int32) + (m >= 1.75).to(tl.int32)
+            + (m > 2.5).to(tl.int32) + (m >= 3.5).to(tl.int32) + (m > 5.0).to(tl.int32))
+    code = code | (((v.to(tl.int32, bitcast=True) >> 31) & 1) << 3)  # the sign bit, -0.0 included
+    if PACKED:
+        even, odd = tl.split(tl.reshape(code, [GROUPS, BLOCK // 2, 2]))
+        half = tl.arange(0, BLOCK // 2)
+        tl.store(out_ptr + g[:, None] * (BLOCK // 2) + half[None, :], (even | (odd << 4)).to(tl.uint8),
+                 mask=live[:, None])
+        tl.store(scale_ptr + g, scale, mask=live)
+    else:
+        values = e2m1_value(code) * scale[:, None]
+        tl.store(out_ptr + g[:, None] * BLOCK + lane[None, :], cast(values, out_ptr.dtype.element_ty),
+                 mask=live[:, None])
+
+
+def fp4_rows(x: torch.Tensor, block: int, scale_format: str, packed: bool):
+    """numerics.fp4_qdq(x, block, scale_format) (packed False: x's shape and dtype) or numerics.fp4_quantize_rows
+    (packed: uint8 bytes [..., K/2] and fp32 scales [..., K/block]) in one launch, bit for bit."""
+    if scale_format not in ("e4m3", "e8m0"):
+        raise ValueError(f"unknown FP4 scale format {scale_format!r}; expected 'e4m3' or 'e8m0'")
+    if x.shape[-1] % block:
+        raise ValueError(f"FP4 rows need the last dim ({x.shape[-1]}) divisible by the block ({block})")
+    flat = x.contiguous()
+    n_groups = flat.numel() // block
+    groups = max(1, min(64, 4096 // block))
+    grid = (triton.cdiv(n_groups, groups),)
+    if packed:
+        out = torch.empty(*x.shape[:-1], x.shape[-1] // 2, dtype=torch.uint8, device=x.device)
+        scales = torch.empty(*x.shape[:-1], x.shape[-1] // block, dtype=torch.float32, device=x.device)
+    else:
+        out, scales = torch.empty_like(flat), flat
+    if n_groups:
+        _fp4_rows_kernel[grid](flat, out, scales, n_groups, BLOCK=block, GROUPS=groups,
+                               E4M3_SCALE=scale_format == "e4m3", PACKED=packed)
+    return (out, scales) if packed else out
