@@ -82,14 +82,19 @@ def sum_in_slot_order(contributions: torch.Tensor) -> torch.Tensor:
 
 
 def stacked_experts(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, stacks: tuple,
-                    limit: float) -> torch.Tensor:
-    """The routed experts' sum [T, D] in the compute dtype, each token's experts in ascending id, from the
-    stacked weights (w1, s1, w3, s3, w2, s2): one grouped launch per projection on CUDA inference, else gathered."""
+                    limit: float, shared: torch.Tensor) -> torch.Tensor:
+    """The MoE's output [T, D] in the tokens' dtype: the routed experts' sum in the compute dtype (each token's
+    experts in ascending id, from the stacked weights w1, s1, w3, s3, w2, s2) plus the shared expert's output
+    `shared`. On CUDA inference one grouped launch per projection, the sum and the shared expert in the last."""
     if kernel_path(tokens) and tokens.dtype in (torch.bfloat16, torch.float16, torch.float32):
-        return grouped_moe(tokens, experts, weights, stacks, limit).to(compute_dtype(tokens))
+        if shared.dtype == tokens.dtype and shared.is_contiguous():
+            return grouped_moe(tokens, experts, weights, stacks, limit, shared)
+        return (grouped_moe(tokens, experts, weights, stacks, limit).to(compute_dtype(tokens)) + shared
+                ).to(tokens.dtype)
     order = experts.argsort(dim=-1, stable=True)
-    return sum_in_slot_order(gathered_swiglu(tokens, experts.gather(1, order), weights.gather(1, order), limit,
-                                             *stacks))
+    routed = sum_in_slot_order(gathered_swiglu(tokens, experts.gather(1, order), weights.gather(1, order), limit,
+                                               *stacks))
+    return (routed + shared).to(tokens.dtype)
 
 
 def gathered_linear(x: torch.Tensor, experts: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None

@@ -52,7 +52,8 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
     return triton_kernels().grouped_linear(x, weight, scale, groups)
 
 
-def grouped_moe(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, stacks: tuple, limit: float
-                ) -> torch.Tensor:
-    """The routed experts' sum [T, D] in fp32 from the stacked expert weights (w1, s1, w3, s3, w2, s2)."""
-    return triton_kernels().grouped_moe(tokens, experts, weights, *stacks, limit)
+def grouped_moe(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, stacks: tuple, limit: float,
+                shared: torch.Tensor | None = None) -> torch.Tensor:
+    """The routed experts' sum [T, D] in fp32 from the stacked expert weights (w1, s1, w3, s3, w2, s2); with
+    `shared`, plus the shared expert's output in its dtype (in the same launch as the sum)."""
+    return triton_kernels().grouped_moe(tokens, experts, weights, *stacks, limit, shared=shared)

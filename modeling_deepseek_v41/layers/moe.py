@@ -130,14 +130,14 @@ class DeepseekV41MoE(nn.Module):
         weights, experts, logits = self.gate(tokens, None if image_mask is None else image_mask.reshape(-1))
         stack = self._expert_stack(tokens)
         if stack is not None:  # the stacked weights' formulations (an accelerator's inference)
-            y = stacked_experts(tokens, experts, weights, stack.tensors(), self.experts[0].swiglu_limit)
+            y = stacked_experts(tokens, experts, weights, stack.tensors(), self.experts[0].swiglu_limit,
+                                self.shared_experts(tokens))
         else:
             order = experts.argsort(dim=-1, stable=True)  # per token, visit its experts in ascending id
             contributions = self._per_expert(tokens, experts.gather(1, order), weights.gather(1, order))
             if self.reduce_contributions is not None:
                 contributions = self.reduce_contributions(contributions)
-            y = sum_in_slot_order(contributions)
-        y = y + self.shared_experts(tokens)
+            y = sum_in_slot_order(contributions) + self.shared_experts(tokens)
         return y.to(x.dtype).view(shape), logits, experts
 
     def _per_expert(self, tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

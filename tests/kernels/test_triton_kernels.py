@@ -402,6 +402,20 @@ def test_grouped_moe_is_batch_invariant(t):
         assert torch.equal(alone, full[i:i + 1])
 
 
+@pytest.mark.parametrize("t", [3, 19])
+def test_grouped_moe_adds_the_shared_expert_in_its_last_launch(t):
+    """With the shared expert's output the grouped MoE returns the layer's output: the routed sum plus it, rounded
+    to its dtype, the bits of adding and casting after the call (both formulations)."""
+    n_experts, d, inter, top_k = 6, 64, 64, 3
+    stacks = _experts(n_experts, d, inter, True, seed=60)
+    tokens = _randn(t, d, seed=61, dtype=torch.bfloat16)
+    experts, weights = _routing(t, n_experts, top_k, seed=62)
+    shared = _randn(t, d, seed=63, dtype=torch.bfloat16)
+    routed = grouped_moe(tokens, experts, weights, *stacks, limit=10.0)
+    out = grouped_moe(tokens, experts, weights, *stacks, limit=10.0, shared=shared)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, (routed + shared).to(torch.bfloat16))
+
+
 def test_expert_blocks_cover_every_pair_once():
     experts = torch.tensor([[3, 0], [3, 1], [3, 0], [2, 3], [3, 1]], device=DEVICE)
     pair_of_row, block_expert, start, end = expert_blocks(experts, 5, block_rows=2)

@@ -136,8 +136,10 @@ def _moe_down_kernel(h_ptr, hs_ptr, w2_ptr, s2_ptr, c_ptr, pair_ptr, block_exper
 
 
 @triton.jit
-def _combine_kernel(c_ptr, order_ptr, y_ptr, D, top_k, stride_cm, stride_ym, BLOCK: tl.constexpr):
-    """y[t] = sum over the token's contributions in ascending expert order (fp32, starting from zero)."""
+def _combine_kernel(c_ptr, order_ptr, shared_ptr, y_ptr, D, top_k, stride_cm, stride_sm, stride_ym,
+                    BLOCK: tl.constexpr, SHARED: tl.constexpr):
+    """y[t] = sum over the token's contributions in ascending expert order (fp32, starting from zero); SHARED: plus
+    the shared expert's output, rounded to y's dtype (the reference's order: routed sum, shared, cast)."""
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < D
@@ -145,7 +147,9 @@ def _combine_kernel(c_ptr, order_ptr, y_ptr, D, top_k, stride_cm, stride_ym, BLO
     for j in range(top_k):
         slot = tl.load(order_ptr + t * top_k + j)
         acc += tl.load(c_ptr + (t * top_k + slot) * stride_cm + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + t * stride_ym + offs, acc, mask=mask)
+    if SHARED:
+        acc += tl.load(shared_ptr + t * stride_sm + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + t * stride_ym + offs, cast(acc, y_ptr.dtype.element_ty), mask=mask)
 
 
 def _scale_args(scale: torch.Tensor | None, weight: torch.Tensor) -> tuple[torch.Tensor, int, int]:
@@ -158,8 +162,10 @@ def grouped_moe(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
                 w1: torch.Tensor, s1: torch.Tensor | None, w3: torch.Tensor, s3: torch.Tensor | None,
                 w2: torch.Tensor, s2: torch.Tensor | None, limit: float, fp8_experts: bool = False,
                 fp8_dot: bool = False, tile: dict | None = None, k_chunks: dict | None = None,
-                f16_slices: bool | None = None, rows: bool | None = None) -> torch.Tensor:
-    """The routed experts' sum [T, D] in fp32 (the model adds the shared expert, then casts).
+                f16_slices: bool | None = None, rows: bool | None = None, shared: torch.Tensor | None = None
+                ) -> torch.Tensor:
+    """The routed experts' sum [T, D] in fp32; with `shared` (the shared expert's output [T, D]) the MoE's output:
+    that sum plus `shared`, in shared's dtype (the reference's order: routed sum, shared expert, cast).
 
     tokens [T, D] bf16/fp32; experts [T, k] integer ids; weights [T, k] fp32 routing weights.
     Weights stacked per projection, contiguous: w1, w3 [E, I, D] and w2 [E, D, I], either
@@ -179,6 +185,9 @@ def grouped_moe(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
     if tokens.dim() != 2 or experts.dim() != 2 or experts.shape[0] != tokens.shape[0]:
         raise ValueError(f"grouped_moe takes tokens [T, D] and experts [T, k]; got {tuple(tokens.shape)} and "
                          f"{tuple(experts.shape)}")
+    if shared is not None and (shared.shape != tokens.shape or shared.stride(-1) != 1):
+        raise ValueError(f"the shared expert's output {tuple(shared.shape)} must be row-major and match the tokens "
+                         f"{tuple(tokens.shape)}")
     if weights.shape != experts.shape:
         raise ValueError(f"routing weights {tuple(weights.shape)} must match experts {tuple(experts.shape)}")
     if w1.shape != w3.shape or w2.shape[0] != w1.shape[0] or w2.shape[1] != tokens.shape[1]:
@@ -204,7 +213,7 @@ def grouped_moe(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
         *schedule, order = moe_schedule(experts, n_experts, tile["BM"])
         contributions = rows_moe(tokens.contiguous(), route, schedule, w1, s1, w3, s3, w2, s2, limit, top_k,
                                  ieee=tokens.device.type == "cpu", tile=tile, k_chunks=k_chunks)
-        return _combine(contributions, order)
+        return _combine(contributions, order, shared)
     tile = tile or (MOE_DECODE_TILE if decode else MOE_PREFILL_TILE)
     chunks = (k_chunks or MOE_DECODE_K_CHUNK) if decode else {"up": d, "down": inter}
     if f16_slices is None:
@@ -250,17 +259,20 @@ def grouped_moe(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
         h, hs_arg, w2, s2_arg, contributions, pair_of_row, block_expert, block_start, block_end, part, count, pairs,
         d, inter, k_chunk, splits, h.stride(0), hs_arg.stride(0), w2.stride(0), w2.stride(1), s_e, s_n,
         contributions.stride(0), **dtypes)
-    return _combine(contributions, order)
+    return _combine(contributions, order, shared)
 
 
-def _combine(contributions: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-    """Each token's k contributions [T*k, D] summed in fp32 in ascending expert order (order [T, k]: the slots)."""
+def _combine(contributions: torch.Tensor, order: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:
+    """Each token's k contributions [T*k, D] summed in fp32 in ascending expert order (order [T, k]: the slots);
+    with `shared` [T, D], plus it, in its dtype."""
     t, top_k = order.shape
     d = contributions.shape[1]
-    y = torch.empty(t, d, dtype=torch.float32, device=contributions.device)
+    y = torch.empty(t, d, dtype=torch.float32 if shared is None else shared.dtype, device=contributions.device)
     block = 1024
-    _combine_kernel[(t, triton.cdiv(d, block))](contributions, order, y, d, top_k, contributions.stride(0),
-                                                y.stride(0), BLOCK=block)
+    shared_arg = y if shared is None else shared
+    _combine_kernel[(t, triton.cdiv(d, block))](contributions, order, shared_arg, y, d, top_k,
+                                                contributions.stride(0), shared_arg.stride(0), y.stride(0),
+                                                BLOCK=block, SHARED=shared is not None)
     return y
 
 
