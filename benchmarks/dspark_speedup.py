@@ -1,6 +1,7 @@
 """DSpark speed-up on the trained default checkpoint: greedy generation with and without drafting, same process.
 
 Run: python benchmarks/dspark_speedup.py [--checkpoint DIR] [--device cuda] [--repeats 3] [--text-prompts 8]
+[--pictures 12] (0 skips that row)
 Times whole generate() calls (prefill included), synchronised on CUDA, median of `--repeats` after a warm-up, on
 the Python-documentation text prompts and the held-out picture questions of `training.evaluate`; on CUDA also both
 with `cuda_graphs=True` (the warm-up call records, the timed calls replay). Prints markdown.
@@ -109,6 +110,8 @@ def main() -> None:
     print("|---" * (header.count("|") + 1) + "|")
     with torch.no_grad():
         for name, prompts, new in (("picture answers", pictures, 16), ("text", text, args.text_tokens)):
+            if not prompts:  # --pictures 0 or --text-prompts 0: that row is skipped
+                continue
             r = measure(model, prompts, new, args.repeats, graphs)
             line = (f"| {r['prompts']} {name} | {r['new_tokens']} | {r['plain_tok_s']:.1f} | {r['draft_tok_s']:.1f} | "
                     f"{r['speedup']:.2f}x |")
