@@ -7,6 +7,14 @@ from __future__ import annotations
 import torch
 
 
+def with_capacity(buffer: torch.Tensor, size: int) -> torch.Tensor:
+    """`buffer` [B, n, ...] with `size` entries along dim 1: its first min(n, size) kept, the rest zero."""
+    resized = buffer.new_zeros(buffer.shape[0], size, *buffer.shape[2:])
+    kept = min(size, buffer.shape[1])
+    resized[:, :kept] = buffer[:, :kept]
+    return resized
+
+
 class Columns:
     """A [B, columns] record that grows by doubling its capacity (no per-step copy of the whole history)."""
 
@@ -16,9 +24,7 @@ class Columns:
     def write(self, start: int, values: torch.Tensor) -> None:
         end = start + values.shape[1]
         if end > self.buffer.shape[1]:
-            grown = self.buffer.new_zeros(self.buffer.shape[0], max(end, 2 * self.buffer.shape[1]))
-            grown[:, : self.buffer.shape[1]] = self.buffer
-            self.buffer = grown
+            self.buffer = with_capacity(self.buffer, max(end, 2 * self.buffer.shape[1]))
         self.buffer[:, start:end] = values
 
     def write_at(self, column: torch.Tensor, values: torch.Tensor) -> None:
@@ -29,10 +35,7 @@ class Columns:
     def reserve(self, columns: int) -> None:
         """Exactly `columns` columns of capacity (equal capacities, equal shapes); the caller holds none past them."""
         if columns != self.buffer.shape[1]:
-            resized = self.buffer.new_zeros(self.buffer.shape[0], columns)
-            kept = min(columns, self.buffer.shape[1])
-            resized[:, :kept] = self.buffer[:, :kept]
-            self.buffer = resized
+            self.buffer = with_capacity(self.buffer, columns)
 
     def view(self, start: int, end: int) -> torch.Tensor:
         return self.buffer[:, start:end]

@@ -19,6 +19,7 @@ from ..kernels.numerics import (
     fp8_dequantize_rows,
     fp8_quantize_rows,
 )
+from .columns import with_capacity
 
 
 class PackedRows:
@@ -58,24 +59,14 @@ class PackedRows:
         return self.codes.nbytes + self.scales.nbytes
 
     def ensure_capacity(self, rows: int) -> None:
-        if rows <= self.capacity:
-            return
-        grow = max(rows, 2 * self.capacity) - self.capacity
-        self.codes = torch.cat([self.codes, self.codes.new_zeros(self.codes.shape[0], grow, self.codes.shape[2])], 1)
-        self.scales = torch.cat(
-            [self.scales, self.scales.new_zeros(self.scales.shape[0], grow, self.scales.shape[2])], 1)
+        if rows > self.capacity:
+            self.resize(max(rows, 2 * self.capacity))
 
     def resize(self, rows: int) -> None:
         """Exactly `rows` rows of capacity (a fixed pool's, so that equal capacities mean equal shapes): new rows
         are zero, rows past `rows` are dropped (the caller holds none there)."""
-        if rows == self.capacity:
-            return
-        kept = min(rows, self.capacity)
-        for name in ("codes", "scales"):
-            held = getattr(self, name)
-            resized = held.new_zeros(held.shape[0], rows, held.shape[2])
-            resized[:, :kept] = held[:, :kept]
-            setattr(self, name, resized)
+        if rows != self.capacity:
+            self.codes, self.scales = with_capacity(self.codes, rows), with_capacity(self.scales, rows)
 
     def _encode(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.fmt == "fp8_e8m0":

@@ -91,9 +91,10 @@ def abs_max(x, axis: tl.constexpr):
 
 
 @triton.jit
-def pow2_ceil_scale(amax):
-    """2^ceil(log2(amax / 448)) from the bits of the fp32 product amax * fp32(1/448) (numerics._pow2_ceil_scale)."""
-    product = amax * 0.002232142857142857
+def pow2_ceil_scale(amax, INV_MAX: tl.constexpr = 0.002232142857142857):
+    """2^ceil(log2(amax / max)) from the bits of the fp32 product amax * fp32(1/max) (numerics._pow2_ceil_scale);
+    INV_MAX 1/max, by default 1/448 (FP8)."""
+    product = amax * INV_MAX
     bits = product.to(tl.int32, bitcast=True)
     exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
     return (exponent << 23).to(tl.float32, bitcast=True)

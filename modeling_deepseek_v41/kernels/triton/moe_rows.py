@@ -75,7 +75,11 @@ def _row_dots(w_ptr, s_ptr, w2_ptr, s2_ptr, x_row, rows_n, k_start, k_stop, KW, 
         if TWO:
             word2, byte2 = _slice_words(w2_ptr, s2_ptr, words, scales, k)
             acc2 += _slice_dot(word2, byte2, x, k, KW, IEEE)
-    return reduce_sum(acc, 1), reduce_sum(acc2, 1)
+    first = reduce_sum(acc, 1)
+    second = first
+    if TWO:
+        second = reduce_sum(acc2, 1)
+    return first, second
 
 
 @triton.jit

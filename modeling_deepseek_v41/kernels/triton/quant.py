@@ -117,9 +117,7 @@ def _fp4_rows_kernel(x_ptr, out_ptr, scale_ptr, n_groups, BLOCK: tl.constexpr, G
         scale = round_e4m3(tl.minimum(tl.math.div_rn(tl.maximum(amax, 0.01171875), 6.0), 448.0))
         v = tl.math.div_rn(x, scale[:, None])
     else:
-        product = tl.maximum(amax, 6.0 * 2.0**-126) * 0.16666666666666666
-        bits = product.to(tl.int32, bitcast=True)
-        scale = ((((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)) << 23).to(tl.float32, bitcast=True)
+        scale = pow2_ceil_scale(tl.maximum(amax, 6.0 * 2.0**-126), 0.16666666666666666)
         v = x / scale[:, None]  # a power of two: exact
     v = tl.minimum(tl.maximum(v, -6.0), 6.0)
     m = tl.abs(v)
@@ -147,14 +145,13 @@ def fp4_rows(x: torch.Tensor, block: int, scale_format: str, packed: bool):
         raise ValueError(f"FP4 rows need the last dim ({x.shape[-1]}) divisible by the block ({block})")
     flat = x.contiguous()
     n_groups = flat.numel() // block
-    groups = max(1, min(64, 4096 // block))
-    grid = (triton.cdiv(n_groups, groups),)
+    grid = (triton.cdiv(n_groups, GROUPS_PER_PROGRAM),)
     if packed:
         out = torch.empty(*x.shape[:-1], x.shape[-1] // 2, dtype=torch.uint8, device=x.device)
         scales = torch.empty(*x.shape[:-1], x.shape[-1] // block, dtype=torch.float32, device=x.device)
     else:
         out, scales = torch.empty_like(flat), flat
     if n_groups:
-        _fp4_rows_kernel[grid](flat, out, scales, n_groups, BLOCK=block, GROUPS=groups,
+        _fp4_rows_kernel[grid](flat, out, scales, n_groups, BLOCK=block, GROUPS=GROUPS_PER_PROGRAM,
                                E4M3_SCALE=scale_format == "e4m3", PACKED=packed)
     return (out, scales) if packed else out

@@ -159,7 +159,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         def choose(scores: torch.Tensor, index: int) -> torch.Tensor:
             context = torch.cat([input_ids] + [t.unsqueeze(1) for t in chosen], dim=1)
             if self.logits_processor is not None and len(self.logits_processor) > 0:
-                scores = self.logits_processor(context, scores.clone())
+                scores = self.logits_processor(context, scores)  # choose_drafts hands a fresh tensor
             processed.append(scores)
             chosen.append(torch.multinomial(scores.softmax(dim=-1), 1).squeeze(1))
             return chosen[-1]
