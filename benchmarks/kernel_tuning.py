@@ -4,7 +4,7 @@ prints, per shape, each tiling's time at 1 and 32 rows (linears) or 1, 6 and 32 
 The decode tiling must be a function of the weight's shape alone (batch invariance), so a tiling is judged on
 every row count at once; the chosen ones are written into kernels/triton/linear.py and moe.py by hand.
 
-    python benchmarks/kernel_tuning.py [--out DIR] [--only moe|linears]   # writes DIR/tuning.txt (default: $OUT or .)
+    python benchmarks/kernel_tuning.py [--out DIR] [--only moe|linears|rows]   # writes DIR/tuning.txt (default: $OUT or .)
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from modeling_deepseek_v41.kernels.triton import fp8_act_qdq, grouped_moe  # noqa: E402
 from modeling_deepseek_v41.kernels.triton.common import FMT_FP4_ROW, FMT_FP8_TILE  # noqa: E402
 from modeling_deepseek_v41.kernels.triton.linear import run_linear  # noqa: E402
+from modeling_deepseek_v41.kernels.triton.linear_rows import rows_linear  # noqa: E402
 from triton_kernels import HBM, LINEARS as ATTENTION_AND_SHARED, copies, graph_ms, random_fp4, random_fp8  # noqa: E402
 
 LINEARS = [(name, n, k, "fp8") for name, n, k in ATTENTION_AND_SHARED] + [("expert_w1", 2304, 5120, "fp4")]
@@ -112,13 +113,66 @@ def sweep_moe() -> None:
         log(f"  {form:<4} {where:<40}: {shown}")
 
 
+# (name, rows of the first weight, of the second (a pair) or 0, K, groups): the FP8 linears of a decode step
+ROWS_SHAPES = [("wq_a+wkv", 1280, 512, 5120, 1), ("wq_b", 32768, 0, 1280, 1), ("wo_a", 1024, 0, 4096, 8),
+               ("wo_b", 5120, 0, 8192, 1), ("shared_w1+w3", 2304, 2304, 5120, 1), ("shared_w2", 5120, 0, 2304, 1),
+               ("indexer_wq_b", 4096, 0, 1280, 1)]
+ROWS_TILES = [dict(BN=bn, BK=bk, num_warps=w, num_stages=1) for bn, bk, w in
+              [(32, 256, 4), (16, 256, 4), (64, 256, 4), (32, 128, 4), (32, 512, 4), (16, 512, 4), (64, 128, 4),
+               (64, 256, 8), (32, 256, 2)]]
+
+
+def sweep_rows() -> None:
+    """The decode linears' rows formulation (linear_rows.py) over tilings, split targets and the activations'
+    dtype, against the committed tensor-core tiles, at 1 and 6 rows (a step and DSpark's verify) and 8."""
+    for name, n, n2, k, groups in ROWS_SHAPES:
+        nbytes = (groups * n + n2) * k
+        count = copies(nbytes)
+        w1, s1 = random_fp8(groups * n, k, count)
+        w2, s2 = random_fp8(max(n2, 32), k, count)
+        xs = {m: fp8_act_qdq(torch.randn(m, groups * k, device="cuda", dtype=torch.bfloat16)) for m in (1, 6, 8)}
+        xf = {m: x.float() for m, x in xs.items()}
+
+        def calls(form, m, tile=None, target=None, fp32=False):
+            out = []
+            for i in range(count):
+                second = (w2[i], s2[i], n2) if n2 else None
+                if form == "rows":
+                    x = (xf if fp32 else xs)[m]
+                    out.append(lambda x=x, i=i, second=second: rows_linear(
+                        x, w1[i], s1[i], FMT_FP8_TILE, n, k, torch.bfloat16, groups=groups, tile=tile,
+                        split_target=target, second=second))
+                else:
+                    out.append(lambda i=i, m=m, second=second: run_linear(
+                        xs[m], None, w1[i], s1[i], FMT_FP8_TILE, n, k, torch.bfloat16, torch.bfloat16,
+                        groups=groups, second=second))
+            return out
+
+        results = [(None, None, False, [graph_ms(calls("tiles", m)) for m in (1, 6, 8)])]
+        for tile, target, fp32 in itertools.product(ROWS_TILES, (264, 528, 1056), (False, True)):
+            if target != 528 and (tile["num_warps"] != 4 or tile["BK"] != 256):
+                continue
+            try:
+                results.append((tile, target, fp32, [graph_ms(calls("rows", m, tile, target, fp32))
+                                                     for m in (1, 6, 8)]))
+            except Exception as error:
+                log(f"  {name} rows {tile} t{target}: failed ({type(error).__name__}: {error})"[:300])
+        results.sort(key=lambda r: r[3][0] + r[3][1])
+        log(f"\n{name} ({groups} x {n} + {n2}) x {k} fp8: roofline {nbytes / HBM * 1e6:.1f} us")
+        for tile, target, fp32, (t1, t6, t8) in results[:10]:
+            label = "committed tiles" if tile is None else \
+                f"rows BN{tile['BN']} BK{tile['BK']} w{tile['num_warps']} t{target} x {'fp32' if fp32 else 'bf16'}"
+            log(f"  {label:<38}: M=1 {t1 * 1e3:6.1f} us  M=6 {t6 * 1e3:6.1f} us  M=8 {t8 * 1e3:6.1f} us")
+        del w1, s1, w2, s2
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    parser.add_argument("--only", choices=("moe", "linears"))
+    parser.add_argument("--only", choices=("moe", "linears", "rows"))
     args = parser.parse_args()
     log(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {__import__('triton').__version__}")
-    for sweep in (sweep_moe, sweep_linears):
+    for sweep in (sweep_moe, sweep_linears, sweep_rows):
         if args.only and sweep.__name__ != f"sweep_{args.only}":
             continue
         sweep()

@@ -26,6 +26,7 @@ from modeling_deepseek_v41.kernels.triton import (  # noqa: E402
 from modeling_deepseek_v41.kernels.triton.linear import (  # noqa: E402
     DECODE_MAX_ROWS, DECODE_TILE, SPLIT_TARGET_PROGRAMS, split_count,
 )
+from modeling_deepseek_v41.kernels.triton.linear_rows import ROWS_MAX_ROWS  # noqa: E402
 from modeling_deepseek_v41.kernels.triton.moe import MOE_DECODE_TILE, MOE_ROWS_MAX_TOKENS  # noqa: E402
 from modeling_deepseek_v41.kernels.triton.moe_schedule import expert_blocks  # noqa: E402
 from modeling_deepseek_v41.layers.linear import DeepseekV41Linear  # noqa: E402
@@ -183,11 +184,17 @@ def test_split_count_depends_on_the_weight_only():
 
 
 def _check_batch_invariance(fn, x):
-    """Row i of a call over all rows equals row i computed alone, and within any smaller batch, bit for bit."""
-    full = fn(x)
-    for i in (0, x.shape[0] - 1) if not CUDA else range(x.shape[0]):
-        assert torch.equal(fn(x[i:i + 1]), full[i:i + 1])
-    assert torch.equal(fn(x[: x.shape[0] // 3]), full[: x.shape[0] // 3])
+    """Within each formulation's row range (linear_rows up to ROWS_MAX_ROWS, the tiles above), row i of a call
+    equals row i computed alone or within any smaller call of that range, bit for bit."""
+    few = x[:ROWS_MAX_ROWS]
+    full = fn(few)
+    for i in (0, few.shape[0] - 1) if not CUDA else range(few.shape[0]):
+        assert torch.equal(fn(few[i:i + 1]), full[i:i + 1])
+    assert torch.equal(fn(few[:3]), full[:3])
+    if x.shape[0] > ROWS_MAX_ROWS + 1:
+        full, part = fn(x), max(ROWS_MAX_ROWS + 1, x.shape[0] // 3)
+        assert torch.equal(fn(x[:part]), full[:part])
+        assert torch.equal(fn(x[-ROWS_MAX_ROWS - 1:]), full[-ROWS_MAX_ROWS - 1:])
 
 
 def test_linears_are_batch_invariant(monkeypatch):
@@ -240,9 +247,9 @@ def test_linears_are_batch_invariant(monkeypatch):
     check_all()
     # the emulated BLAS does change a dot's rounding of random data (a dense fp32 grouped projection: fp32 linears
     # multiply without a dot)
-    noisy_w, noisy_x = _randn(n, k, seed=12, scale=0.05), _randn(2, 1, k, seed=13)
-    alone = grouped_linear(noisy_x[1:], noisy_w, None, 1)[0]
-    assert not torch.equal(grouped_linear(noisy_x, noisy_w, None, 1)[1], alone)
+    noisy_w, noisy_x = _randn(n, k, seed=12, scale=0.05), _randn(ROWS_MAX_ROWS + 2, 1, k, seed=13)
+    later = grouped_linear(noisy_x[1:], noisy_w, None, 1)[0]  # both calls in the tiles' range, row 1 moved to 0
+    assert not torch.equal(grouped_linear(noisy_x, noisy_w, None, 1)[1], later)
 
 
 @pytest.mark.parametrize("m", [3, DECODE_MAX_ROWS + 5])

@@ -3,7 +3,8 @@ of a weight [G*R, D] (FP8 with E8M0 tiles, or dense) in one launch of the linear
 numerics: the weight dequantized exactly in registers (to x's dtype), the activations as they are (no FP8 QDQ),
 fp32 accumulation, rounded to x's dtype.
 
-Decode-sized calls (M <= DECODE_MAX_ROWS) use the linears' fixed decode tiling and a split-K from the shapes
+Calls of up to ROWS_MAX_ROWS rows take linear_rows' CUDA-core formulation; other decode-sized calls
+(M <= DECODE_MAX_ROWS) use the linears' fixed decode tiling and a split-K from the shapes
 alone, so a row's result does not depend on M; larger calls dequantize the weight once to bf16 and run one
 batched cuBLAS product (the reference's einsum on the same exact values).
 """
@@ -14,6 +15,7 @@ import torch
 
 from .common import FMT_DENSE, FMT_FP8_TILE
 from .linear import DECODE_MAX_ROWS, dequantize_weight, run_linear
+from .linear_rows import ROWS_MAX_ROWS, rows_linear
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, groups: int) -> torch.Tensor:
@@ -40,5 +42,9 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
         dense = dense.to(x.dtype).view(groups, r, k)
         return torch.einsum("...gd,grd->...gr", x, dense)
     fmt = FMT_DENSE if scale is None else FMT_FP8_TILE
-    out = run_linear(rows, None, weight, scale, fmt, r, k, x.dtype, x.dtype, groups=groups)
+    if m <= ROWS_MAX_ROWS:
+        wide = scale is not None or weight.dtype == x.dtype or x.dtype in (torch.float32, torch.float64)
+        out = rows_linear(rows, weight if wide else weight.to(x.dtype), scale, fmt, r, k, x.dtype, groups=groups)
+    else:
+        out = run_linear(rows, None, weight, scale, fmt, r, k, x.dtype, x.dtype, groups=groups)
     return out.view(*lead, groups, r)

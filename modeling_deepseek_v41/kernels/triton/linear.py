@@ -8,7 +8,9 @@ fp8_dot=True multiplies the e4m3 values on the FP8 tensor cores instead, 32 colu
 applied to each slice's result: Hopper's FP8 dots sum with less than fp32 precision (4.6e-5 relative error
 measured on the H200).
 
-Two regimes, chosen by the row count M only:
+Three regimes, chosen by the row count M only:
+- rows (M <= ROWS_MAX_ROWS, FP8 and bf16/fp16 weights): linear_rows.py, the weight streamed once through the CUDA
+  cores into each row's fp32 FMAs (a tensor-core tile would pad the rows to 32).
 - decode (M <= DECODE_MAX_ROWS): one tiling (weight rows x token columns, swapped so the weight fills the tensor
   core's wide side) and a split-K count that depend on (N, K) alone, so a row's result never depends on M or on the
   other rows (batch invariant). The split partials are summed in split order by the last program of each tile,
@@ -27,6 +29,7 @@ import triton.language as tl
 from .common import (FMT_DENSE, FMT_FP4_ROW, FMT_FP8_ROW, FMT_FP8_TILE, FP8_TILE, arrive_last, cast, dot_k_range,
                      k_slice, sum_partials, weight_scale, weight_slice)
 from .fp32_rows import fp32_rows_linear
+from .linear_rows import ROWS_MAX_ROWS, rows_linear
 from .quant import fp8_act_qdq, fp8_act_quant
 from .workspace import split_buffers
 
@@ -194,7 +197,9 @@ def _quantized(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt: 
         else:
             out = torch.nn.functional.linear(qdq.float(), dense.float()).to(x.dtype)
         return out.view(*x.shape[:-1], n)
-    if fp8_dot:
+    if fp8_dot is None and rows.shape[0] <= ROWS_MAX_ROWS and fmt == FMT_FP8_TILE:
+        out = rows_linear(fp8_act_qdq(rows, torch.bfloat16), weight, scale, fmt, n, k, x.dtype)
+    elif fp8_dot:
         q, xs = fp8_act_quant(rows)
         out = run_linear(q, xs, weight, scale, fmt, n, k, x.dtype, torch.float8_e4m3fn)
     else:
@@ -248,7 +253,11 @@ def linear_pair(x: torch.Tensor, first: tuple[torch.Tensor, torch.Tensor | None]
         one = (lambda w, s: fp8_linear(x, w, s)) if quantized else (lambda w, s: dense_linear(x, w))
         return one(w1, s1), one(w2, s2)
     n1, n2 = w1.shape[0], w2.shape[0]
-    if quantized:
+    if rows.shape[0] <= ROWS_MAX_ROWS:
+        fmt, operand, out_dtype = (FMT_FP8_TILE, fp8_act_qdq(rows, torch.bfloat16), x.dtype) if quantized else \
+            (FMT_DENSE, rows.to(w1.dtype), w1.dtype)
+        out1, out2 = rows_linear(operand, w1, s1, fmt, n1, k, out_dtype, second=(w2, s2, n2))
+    elif quantized:
         out1, out2 = run_linear(fp8_act_qdq(rows, torch.bfloat16), None, w1, s1, FMT_FP8_TILE, n1, k, x.dtype,
                                 torch.bfloat16, second=(w2, s2, n2))
     else:
@@ -286,6 +295,8 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         out = torch.nn.functional.linear(rows.to(weight.dtype), weight)
     elif weight.dtype == torch.float32:  # true fp32 products: CUDA cores, each weight read once
         out = fp32_rows_linear(rows, weight)
+    elif rows.shape[0] <= ROWS_MAX_ROWS:
+        out = rows_linear(rows.to(weight.dtype), weight, None, FMT_DENSE, n, k, weight.dtype)
     else:
         out = run_linear(rows, None, weight, None, FMT_DENSE, n, k, weight.dtype, weight.dtype)
     return out.view(*x.shape[:-1], n)
