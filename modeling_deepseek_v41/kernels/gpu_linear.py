@@ -23,6 +23,11 @@ def gpu_linear(x: torch.Tensor, storage: str, weight: torch.Tensor, scale: torch
     return kernels.dense_linear(x.to(weight.dtype), weight)
 
 
+def gpu_fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight^T with both taken exactly as fp32 (bf16/fp16/fp32 tensors), without converting copies."""
+    return triton_kernels().fp32_linear(x, weight)
+
+
 def gpu_linear_pair(x: torch.Tensor, first: tuple[torch.Tensor, torch.Tensor | None],
                     second: tuple[torch.Tensor, torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor]:
     """Two linears of one input (FP8 weights with scales, or dense bf16 ones) in one launch for decode sizes."""

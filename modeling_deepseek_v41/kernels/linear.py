@@ -14,8 +14,8 @@ import torch
 from torch.nn import functional as F
 
 from .dispatch import kernel_path
-from .gpu_linear import (dense_kernel_applies, gpu_linear, gpu_linear_input_grad, gpu_linear_pair, grouped_linear,
-                         triton_kernels)
+from .gpu_linear import (dense_kernel_applies, gpu_fp32_linear, gpu_linear, gpu_linear_input_grad, gpu_linear_pair,
+                         grouped_linear, triton_kernels)
 from .numerics import WEIGHT_BLOCK, compute_dtype, dequantize_fp4_weight, dequantize_fp8_weight, fp8_act_qdq
 
 STORAGE_FP8 = "fp8"
@@ -39,6 +39,15 @@ def row_invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if pad:
         out = out[: out.shape[0] - pad]
     return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def compute_dtype_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """row_invariant_linear of x and the weight both in x's compute dtype (fp32, or float64 for float64): the
+    router's logits. On the kernel path the fp32 kernel takes bf16/fp16 tensors as they are (no copies)."""
+    acc = compute_dtype(x)
+    if kernel_path(x) and acc == torch.float32 and dense_kernel_applies(weight):
+        return gpu_fp32_linear(x, weight)
+    return row_invariant_linear(x.to(acc), weight.to(acc))
 
 
 def dequantize_stored(weight: torch.Tensor, scale: torch.Tensor | None, storage: str, dtype: torch.dtype

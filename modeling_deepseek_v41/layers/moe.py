@@ -10,8 +10,8 @@ from torch import nn
 from ..kernels.expert_ops import (  # noqa: F401  (gate_scores: the layers' import point)
     gate_scores, route, runs_stacked, stacked_experts, sum_in_slot_order, swiglu,
 )
-from ..kernels.linear import STORAGE_FP8, row_invariant_linear
-from ..kernels.numerics import compute_dtype, weight_dtype
+from ..kernels.linear import STORAGE_FP8, compute_dtype_linear
+from ..kernels.numerics import weight_dtype
 from .linear import DeepseekV41Linear, linear_pair
 
 
@@ -35,8 +35,7 @@ class DeepseekV41Gate(nn.Module):
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, D]; image_mask [T] or None. Returns (weights [T,k], experts [T,k], router logits [T,E])."""
-        acc = compute_dtype(x)
-        logits = row_invariant_linear(x.to(acc), self.weight.to(acc))
+        logits = compute_dtype_linear(x, self.weight)
         weights, experts = route(logits, self.scoring_func, self.bias, self.bias_vl, image_mask, self.top_k,
                                  self.norm_topk_prob, self.route_scale)
         return weights, experts, logits

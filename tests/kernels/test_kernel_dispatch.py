@@ -32,10 +32,11 @@ pytestmark = [
     pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter dispatch check (CPU tensors); see tests/gpu"),
 ]
 KERNELS = ("fp8_linear", "fp4_linear", "dense_linear", "grouped_linear", "grouped_moe", "fp8_dequantize",
-           "fp4_dequantize", "linear_pair", "fp4_rows")
+           "fp4_dequantize", "linear_pair", "fp4_rows", "fp32_linear")
 # FP4 experts: inside grouped_moe; wq_a with wkv and the shared expert's w1 with w3: linear_pair; the index
-# queries' QDQ and the pool's packing: fp4_rows
-MODEL_KERNELS = {"fp8_linear", "dense_linear", "grouped_linear", "grouped_moe", "linear_pair", "fp4_rows"}
+# queries' QDQ and the pool's packing: fp4_rows; the router's fp32 logits: fp32_linear
+MODEL_KERNELS = {"fp8_linear", "dense_linear", "grouped_linear", "grouped_moe", "linear_pair", "fp4_rows",
+                 "fp32_linear"}
 
 
 @pytest.fixture

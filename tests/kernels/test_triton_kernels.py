@@ -290,6 +290,16 @@ def test_fp32_weights_multiply_exactly_in_a_fixed_order():
     _check_batch_invariance(lambda t: dense_linear(t, w), x)
 
 
+def test_the_routers_fp32_linear_needs_no_fp32_copies():
+    """fp32_linear (the router's logits) takes bf16 rows and a bf16 weight as they are and gives the bits of the
+    fp32 kernel on their fp32 copies."""
+    from modeling_deepseek_v41.kernels.triton import fp32_linear
+
+    wb, xb = _randn(40, 320, seed=42, scale=0.05, dtype=torch.bfloat16), _randn(3, 320, seed=43, dtype=torch.bfloat16)
+    out = fp32_linear(xb, wb)
+    assert out.dtype == torch.float32 and torch.equal(out, dense_linear(xb.float(), wb.float()))
+
+
 @pytest.mark.parametrize("m", [3, DECODE_MAX_ROWS + 5])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_grouped_linear_matches_the_einsum_on_the_exact_weight(m, dtype):

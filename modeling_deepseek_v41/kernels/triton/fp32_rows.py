@@ -59,9 +59,9 @@ def _fp32_rows_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, k_chu
 
 def fp32_rows_linear(rows: torch.Tensor, weight: torch.Tensor, tile: dict | None = None,
                      split_target: int = SPLIT_TARGET_PROGRAMS) -> torch.Tensor:
-    """rows [M, K] (any float dtype, taken as fp32) times an fp32 (or float64) weight [N, K]^T -> [M, N] in the
-    weight's dtype, exactly: fp32 products and sums in a fixed order. The split of K depends on (N, K) alone.
-    `tile`/`split_target` override the tiling (benchmarks only)."""
+    """rows [M, K] (any float dtype, taken as fp32) times a weight [N, K]^T of any float dtype, taken as fp32 (or
+    both as float64 for a float64 weight) -> [M, N] in fp32 (float64), exactly: fp32 products and sums in a fixed
+    order. The split of K depends on (N, K) alone. `tile`/`split_target` override the tiling (benchmarks only)."""
     tile = tile or ROWS_TILE
     m, k = rows.shape
     n = weight.shape[0]
@@ -69,7 +69,8 @@ def fp32_rows_linear(rows: torch.Tensor, weight: torch.Tensor, tile: dict | None
     wanted = max(1, triton.cdiv(split_target, triton.cdiv(n, tile["BN"])))
     per_split = triton.cdiv(k_blocks, min(k_blocks, wanted))
     splits, k_chunk = triton.cdiv(k_blocks, per_split), per_split * tile["BK"]
-    out = torch.empty(m, n, dtype=weight.dtype, device=rows.device)
+    out = torch.empty(m, n, dtype=torch.float64 if weight.dtype == torch.float64 else torch.float32,
+                      device=rows.device)
     grid = (triton.cdiv(m, tile["BM"]), triton.cdiv(n, tile["BN"]), splits)
     part, count = split_buffers(splits, (m, n), grid[0] * grid[1], rows.device)
     if splits > 1 and weight.dtype == torch.float64:

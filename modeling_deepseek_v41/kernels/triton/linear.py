@@ -278,6 +278,21 @@ def fp4_dequantize(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return dequantize_weight(packed, scale, FMT_FP4_ROW, n, k)
 
 
+def fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.linear(x.float(), weight.float()) for bf16/fp16/fp32 x and weight (the router's logits), without the
+    fp32 copies at decode sizes: the fp32 weights' kernel converts both in registers (the same products and
+    order as on fp32 copies)."""
+    k = weight.shape[1]
+    rows = x.reshape(-1, k)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    if rows.shape[0] > DECODE_MAX_ROWS or weight.stride(-1) != 1:
+        out = torch.nn.functional.linear(rows.float(), weight.float())
+    else:
+        out = fp32_rows_linear(rows, weight)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
 def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """F.linear(x.to(weight.dtype), weight) for a bf16/fp16/fp32 weight [N, K], batch invariant up to
     DECODE_MAX_ROWS rows (cuBLAS picks its kernel by M). fp32 weights use true fp32 products (no TF32)."""
