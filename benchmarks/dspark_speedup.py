@@ -1,7 +1,7 @@
 """DSpark speed-up on the trained default checkpoint: greedy generation with and without drafting, same process.
 
 Run: python benchmarks/dspark_speedup.py [--checkpoint DIR] [--device cuda] [--repeats 3] [--text-prompts 8]
-[--pictures 12] (0 skips that row)
+[--pictures 12] (0 skips that row) [--min-accepted 1] (generate()'s dspark_min_accepted; 0 drafts every round)
 Times whole generate() calls (prefill included), synchronised on CUDA, median of `--repeats` after a warm-up, on
 the Python-documentation text prompts and the held-out picture questions of `training.evaluate`; on CUDA also both
 with `cuda_graphs=True` (the warm-up call records, the timed calls replay). Prints markdown.
@@ -29,11 +29,13 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed_generate(model, inputs: dict, new_tokens: int, use_dspark: bool, repeats: int, cuda_graphs: bool = False
-                   ) -> tuple[torch.Tensor, float, dict]:
+def timed_generate(model, inputs: dict, new_tokens: int, use_dspark: bool, repeats: int, cuda_graphs: bool = False,
+                   min_accepted: float | None = None) -> tuple[torch.Tensor, float, dict]:
     """Median seconds of `repeats` greedy generate() calls after one warm-up (with cuda_graphs, the warm-up
     records and the timed calls replay); returns the output, seconds, stats."""
     kwargs = dict(max_new_tokens=new_tokens, do_sample=False, use_dspark=use_dspark)
+    if use_dspark and min_accepted is not None:
+        kwargs["dspark_min_accepted"] = min_accepted
     if cuda_graphs:
         kwargs["cuda_graphs"] = True
     model.generate(**inputs, **kwargs)
@@ -47,7 +49,8 @@ def timed_generate(model, inputs: dict, new_tokens: int, use_dspark: bool, repea
     return output, statistics.median(seconds), stats
 
 
-def measure(model, prompts: list[dict], new_tokens: int, repeats: int, graphs: bool) -> dict:
+def measure(model, prompts: list[dict], new_tokens: int, repeats: int, graphs: bool,
+            min_accepted: float | None = None) -> dict:
     """Seconds of plain and drafting generation (and with `graphs`, both replayed from CUDA graphs), summed over
     the prompts; whether every variant gave plain greedy's tokens."""
     variants = [("plain", False, False), ("draft", True, False)]
@@ -60,7 +63,8 @@ def measure(model, prompts: list[dict], new_tokens: int, repeats: int, graphs: b
         inputs = {k: v.to(model.device) for k, v in inputs.items()}
         outputs = {}
         for name, use_dspark, cuda_graphs in variants:
-            outputs[name], t, stats = timed_generate(model, inputs, new_tokens, use_dspark, repeats, cuda_graphs)
+            outputs[name], t, stats = timed_generate(model, inputs, new_tokens, use_dspark, repeats, cuda_graphs,
+                                                     min_accepted)
             seconds[name] += t
             if name == "draft":
                 accepted += (stats["dspark_mean_accepted_length"] - 1.0) * stats["dspark_rounds"]
@@ -86,6 +90,7 @@ def main() -> None:
     parser.add_argument("--text-tokens", type=int, default=64)
     parser.add_argument("--pictures", type=int, default=12)
     parser.add_argument("--text-prompts", type=int, default=8)
+    parser.add_argument("--min-accepted", type=float, default=None)
     args = parser.parse_args()
 
     from transformers import AutoModelForCausalLM, AutoProcessor
@@ -112,7 +117,7 @@ def main() -> None:
         for name, prompts, new in (("picture answers", pictures, 16), ("text", text, args.text_tokens)):
             if not prompts:  # --pictures 0 or --text-prompts 0: that row is skipped
                 continue
-            r = measure(model, prompts, new, args.repeats, graphs)
+            r = measure(model, prompts, new, args.repeats, graphs, args.min_accepted)
             line = (f"| {r['prompts']} {name} | {r['new_tokens']} | {r['plain_tok_s']:.1f} | {r['draft_tok_s']:.1f} | "
                     f"{r['speedup']:.2f}x |")
             if graphs:

@@ -75,15 +75,20 @@ def greedy_verdict(draft_ids: torch.Tensor, verify_logits: torch.Tensor) -> Verd
     return Verdict(accepted, targets, targets.gather(1, accepted.unsqueeze(1)).squeeze(1))
 
 
+DSPARK_FIELDS = ("dspark_confidence_threshold", "dspark_min_accepted")  # generate() kwargs kept in the config
+BACKOFF_LIMIT = 16  # plain steps at most between two drafting rounds while the drafts keep failing
+
+
 def dspark_generation_config(model, generation_config: GenerationConfig | None, use_dspark: bool | None,
-                             threshold: float | None) -> GenerationConfig:
-    """A copy of the generation config with the DSpark fields set. Drafting runs through transformers' assisted
-    decoding, which the config's `use_mtp` flag selects; the drafter is then ours (see `_get_candidate_generator`)."""
+                             fields: dict) -> GenerationConfig:
+    """A copy of the generation config with the DSpark fields set (`fields`: DSPARK_FIELDS given to generate()).
+    Drafting runs through transformers' assisted decoding, which the config's `use_mtp` flag selects; the drafter
+    is then ours (see `_get_candidate_generator`)."""
     config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
     if use_dspark is not None:
         config.use_dspark = use_dspark
-    if threshold is not None:
-        config.dspark_confidence_threshold = threshold
+    for name, value in fields.items():
+        setattr(config, name, value)
     if getattr(config, "use_dspark", False):
         if not model.has_dspark:
             raise ValueError(
@@ -112,6 +117,11 @@ class DSparkCandidateGenerator(CandidateGenerator):
     processors apply to the verified tokens); sampled drafts are drawn in order from the processed biased logits,
     which are returned as the draft distribution so that speculative sampling stays lossless. With
     `generate(cuda_graphs=True)` the drafter's forward (greedy: the whole draft) replays from a CUDA graph.
+
+    A drafting round that keeps fewer than `dspark_min_accepted` drafts (default 1) is followed by plain one-token
+    steps, 1, 2, 4, ... up to BACKOFF_LIMIT of them while rounds keep failing, and by none after a round that
+    succeeds: a text the drafter guesses badly costs little more than not drafting. The tokens are the same either
+    way; 0 drafts every round.
     """
 
     requires_model_outputs = True
@@ -122,14 +132,26 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.do_sample = bool(generation_config.do_sample)
         self.logits_processor = logits_processor
         self.threshold = float(getattr(generation_config, "dspark_confidence_threshold", 0.0) or 0.0)
+        min_accepted = getattr(generation_config, "dspark_min_accepted", None)
+        self.min_accepted = 1.0 if min_accepted is None else float(min_accepted)
         self.drafted = 0
         self.accepted = 0
         self.rounds = 0
+        self.plain_steps = 0  # one-token steps taken instead of drafting (the back-off)
+        self._pause = 0  # the current back-off's length
+        self._skip = 0  # plain steps left before the next drafting round
+        self._drafting = False  # whether the round being verified carries drafts
 
     def get_candidates(self, input_ids: torch.LongTensor, model_kwargs: dict | None = None, model_outputs=None,
                        is_first_iteration: bool = False, n_last_matches: int = 0, **kwargs):
+        self._drafting = False
         if is_first_iteration:  # the model's own prefill comes first; drafting needs its cache
             return input_ids, None
+        if self._skip:  # the last drafts failed: a plain step (the same token) instead of a draft
+            self._skip -= 1
+            self.plain_steps += 1
+            return input_ids, None
+        self._drafting = True
         cache = model_kwargs["cache"]
         run = cache.generation_run
         graphs = run.graphs if run is not None else None  # cuda_graphs=True: the drafter replays from a graph
@@ -168,7 +190,14 @@ class DSparkCandidateGenerator(CandidateGenerator):
         return draft, torch.stack(processed, dim=1)
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
+        if not self._drafting:
+            return
         self.accepted += int(num_matches)
+        if self.min_accepted > 0 and num_matches < self.min_accepted:
+            self._pause = min(2 * self._pause or 1, BACKOFF_LIMIT)
+            self._skip = self._pause
+        else:
+            self._pause = 0
 
     @property
     def mean_accepted_length(self) -> float:

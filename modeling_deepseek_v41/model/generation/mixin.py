@@ -18,7 +18,7 @@ from transformers import GenerationMixin
 from ...cache.cache import DeepseekV41Cache
 from ...layers.vision import TOKEN_TYPE_IMAGE_START, TOKEN_TYPE_TEXT
 from ..inputs import check_generate_inputs, prompt_rows
-from .dspark import DSparkCandidateGenerator, dspark_generation_config
+from .dspark import DSPARK_FIELDS, DSparkCandidateGenerator, dspark_generation_config
 from .graph_decoder import check_graph_decoding
 from .graph_store import DeepseekV41DecodeGraphs, GenerationGraphs
 from .invalid_logits import CALL_CHECKER, StopOnInvalidLogits, with_invalid_logits_check
@@ -56,7 +56,8 @@ class DeepseekV41GenerationMixin(GenerationMixin):
 
     def generate(self, *args, generation_stats: dict | None = None, cuda_graphs: bool = False, **kwargs):
         """transformers' generate(), plus DSpark speculative decoding: `use_dspark=True` (a generation-config
-        field, also settable in generation_config.json) and `dspark_confidence_threshold`. `cuda_graphs=True`
+        field, also settable in generation_config.json), `dspark_confidence_threshold` and `dspark_min_accepted`
+        (see DSparkCandidateGenerator). `cuda_graphs=True`
         replays the decode steps from CUDA graphs (greedy or sampling, batch of any size, on a CUDA device; with
         DSpark its drafts and verify steps too; not with beam search), kept in `model.decode_graphs` for later
         calls. Pass a dict as `generation_stats` to get the call's measured
@@ -69,11 +70,11 @@ class DeepseekV41GenerationMixin(GenerationMixin):
         check_generate_inputs(self.config, args, kwargs)
         implementation = kwargs.pop("cache_implementation", None)
         use_dspark = kwargs.pop("use_dspark", None)
-        threshold = kwargs.pop("dspark_confidence_threshold", None)
+        fields = {name: value for name in DSPARK_FIELDS if (value := kwargs.pop(name, None)) is not None}
         base = kwargs.pop("generation_config", None)
         config = base or self.generation_config
-        if use_dspark is not None or threshold is not None or getattr(config, "use_dspark", False):
-            config = dspark_generation_config(self, base, use_dspark, threshold)
+        if use_dspark is not None or fields or getattr(config, "use_dspark", False):
+            config = dspark_generation_config(self, base, use_dspark, fields)
             kwargs = config.update(**kwargs)  # generation settings go into the copy, the rest stay model inputs
             kwargs["generation_config"] = config
         elif base is not None:
@@ -164,6 +165,7 @@ class DeepseekV41GenerationMixin(GenerationMixin):
             "cache_global_bytes_per_token": cache.global_bytes_per_token() if cache is not None else None,
             "dspark_mean_accepted_length": drafter.mean_accepted_length if drafter is not None else None,
             "dspark_rounds": drafter.rounds if drafter is not None else None,
+            "dspark_plain_steps": drafter.plain_steps if drafter is not None else None,
             "cuda_graphs_recorded": run.graphs.recorded if run.graphs is not None else None,
         }
 

@@ -71,6 +71,22 @@ def test_greedy_with_drafting_on_random_models():
         assert torch.equal(model.generate(ids, **common), model.generate(ids, use_dspark=True, **common))
 
 
+def test_failing_drafts_back_off_to_plain_steps():
+    """A random drafter's rounds keep no draft: generate() then takes plain one-token steps between drafting rounds
+    (1, 2, 4, ...), with plain greedy's tokens; dspark_min_accepted=0 drafts every round."""
+    model = random_model(dtype=torch.float64, seed=12)
+    ids = torch.randint(3, 40, (1, 19))
+    common = dict(attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False, pad_token_id=2)
+    plain = model.generate(ids, **common)
+    backing_off, every_round = {}, {}
+    assert torch.equal(model.generate(ids, use_dspark=True, generation_stats=backing_off, **common), plain)
+    assert torch.equal(model.generate(ids, use_dspark=True, dspark_min_accepted=0, generation_stats=every_round,
+                                      **common), plain)
+    assert every_round["dspark_plain_steps"] == 0
+    assert backing_off["dspark_plain_steps"] > backing_off["dspark_rounds"] >= 1
+    assert backing_off["dspark_rounds"] < every_round["dspark_rounds"]
+
+
 def _tiny_vocab_model():
     """A random model whose vocabulary is small enough to compare whole output distributions."""
     config = tiny_config(vocab_size=24, dspark_noise_token_id=23, engram_compressed_vocab_size=20)
