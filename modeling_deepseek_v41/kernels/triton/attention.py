@@ -22,6 +22,7 @@ BLOCK_ENTRIES = 64  # the reference kernel's softmax block
 LOGIT_HEADS = 64  # phase 1: heads per program, so each block of entries is dequantized once per row for them all
 QK_CHUNK = 128  # head dims per logit dot
 OUT_CHUNK = 64  # phase 2: output dims per program
+LOGIT_WARPS, OUTPUT_WARPS = 8, 4
 
 
 @triton.jit
@@ -245,8 +246,8 @@ def stored_attention(q: torch.Tensor, rotation: torch.Tensor, rope_dim: int, pos
     if n_blocks:
         _attention_logits_kernel[(rows, n_blocks, triton.cdiv(heads, LOGIT_HEADS))](
             q, rot, logits, pos, floor_arg, *storage, *shapes, softmax_scale, *strides, BH=LOGIT_HEADS, DC=dc,
-            num_warps=8, **common)
+            num_warps=LOGIT_WARPS, **common)
     _attention_output_kernel[(rows, triton.cdiv(heads, BLOCK_HEADS), dim // do)](
         rot, logits, out, sink, pos, floor_arg, *storage, *shapes, *strides, BH=BLOCK_HEADS, DO=do,
-        ROUND_P=q.dtype == torch.bfloat16, num_warps=4, **common)
+        ROUND_P=q.dtype == torch.bfloat16, num_warps=OUTPUT_WARPS, **common)
     return out
