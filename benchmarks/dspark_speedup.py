@@ -100,7 +100,7 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(args.checkpoint).to(args.device).eval()
     processor = AutoProcessor.from_pretrained(args.checkpoint)
     text = [{"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-            for ids in text_prompts(processor.tokenizer, args.text_prompts)]
+            for ids in (text_prompts(processor.tokenizer, args.text_prompts) if args.text_prompts else [])]
     pictures = [dict(processor.apply_chat_template(e["messages"], add_generation_prompt=True, tokenize=True,
                                                    return_dict=True, return_tensors="pt"))
                 for e in heldout_questions()[: args.pictures]]

@@ -167,27 +167,34 @@ def dspark_rows(model, context: int, steps: int, accepted_lengths=(2.8, 3.5)) ->
     return row
 
 
-def profile_decode(model, context: int, steps: int = 3, top: int = 50) -> None:
-    """The CUDA time of a graph-replayed batch-1 decode step by kernel (torch.profiler), largest first."""
-    cache, token = prefilled_cache(model, context, 1)
-    decoder = DeepseekV41CUDAGraphDecoder(model, cache, max_new_tokens=steps + 4)
+def profile_decode(model, context: int, steps: int = 3, top: int = 50, width: int = 1) -> None:
+    """The CUDA time of a graph-replayed batch-1 decode step of `width` tokens by kernel (torch.profiler), largest
+    first; width > 1 is DSpark's verify step (on a cache with the drafter's rings, cropped back after each)."""
+    cache, token = prefilled_cache(model, context, 1, dspark=width > 1)
+    decoder = DeepseekV41CUDAGraphDecoder(model, cache, max_new_tokens=steps + width + 8, widest=width)
+    ids = torch.randint(3, model.config.text_config.vocab_size, (1, width), device="cuda") if width > 1 else token
+
+    def step():
+        decoder.step(ids)
+        if width > 1:
+            cache.crop(-width)
     for _ in range(3):  # eager, recording, one replay
-        decoder.step(token)
+        step()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
-            decoder.step(token)
+            step()
         torch.cuda.synchronize()
     decoder.close()
     kernels = sorted((e for e in prof.key_averages() if e.self_device_time_total > 0),
                      key=lambda e: -e.self_device_time_total)
-    print("top kernels of a replayed step (us per step, launches per step):")
+    print(f"top kernels of a replayed {width}-token step (us per step, launches per step):")
     for e in kernels[:top]:
         print(f"K {e.self_device_time_total / steps:10.1f} {e.count // steps:6d}  {e.key[:100]}")
     total = sum(e.self_device_time_total for e in kernels) / 1e3 / steps
     launches = sum(e.count for e in kernels) // steps
-    print(json.dumps({"profiled_steps": steps, "gpu_busy_ms_per_step": total, "launches_per_step": launches}),
-          flush=True)
+    print(json.dumps({"profiled_width": width, "profiled_steps": steps, "gpu_busy_ms_per_step": total,
+                      "launches_per_step": launches}), flush=True)
 
 
 def prefill_rows(model, lengths: list[int], modes: list[str], skip: set[tuple[str, int]]) -> list[dict]:
@@ -233,6 +240,8 @@ def main() -> None:
     parser.add_argument("--no-eager", action="store_true")
     parser.add_argument("--no-dspark", action="store_true", help="skip the draft and verify step rows")
     parser.add_argument("--profile", action="store_true", help="also profile graph-replayed batch-1 decode steps")
+    parser.add_argument("--profile-verify", action="store_true",
+                        help="also profile DSpark's graph-replayed verify step (block + 1 tokens, batch 1)")
     parser.add_argument("--bandwidth", type=float, default=4.8e12)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -248,6 +257,8 @@ def main() -> None:
         dspark_rows(model, args.context, args.steps)
     if args.profile:
         profile_decode(model, args.context)
+    if args.profile_verify:
+        profile_decode(model, args.context, width=model.config.text_config.dspark_block_size + 1)
     skip = {("exact", n) for n in args.skip_prefill}
     prefill_rows(model, args.prefill, args.prefill_modes, skip)
 
