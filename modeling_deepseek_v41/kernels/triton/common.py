@@ -276,6 +276,16 @@ def arrive_last(count_ptr, tile, splits):
 
 
 @triton.jit
+def pair_operands(pid_n, tiles1, w_ptr, s_ptr, out_ptr, stride_om, N, w2_ptr, s2_ptr, out2_ptr, stride_o2m, N2):
+    """A pair of linears in one launch: a program past the first weight's `tiles1` column tiles takes the second's
+    (weight, scales, output, output row stride, first column in the partials, column tile, N)."""
+    second = pid_n >= tiles1
+    return (tl.where(second, w2_ptr, w_ptr), tl.where(second, s2_ptr, s_ptr), tl.where(second, out2_ptr, out_ptr),
+            tl.where(second, stride_o2m, stride_om), tl.where(second, N, 0), tl.where(second, pid_n - tiles1, pid_n),
+            tl.where(second, N2, N))
+
+
+@triton.jit
 def sum_partials(part_ptr, offs, mask, splits, stride_split):
     """sum over s of part[s * stride_split + offs] in fp32, s ascending; read through L2 (other programs wrote them).
     Four splits' loads are issued before they are added, so the last program waits for one L2 round trip per four

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from .common import (FMT_DENSE, FMT_FP4_ROW, FMT_FP8_ROW, FMT_FP8_TILE, FP8_TILE, arrive_last, cast, dot_k_range,
-                     k_slice, sum_partials, weight_scale, weight_slice)
+                     k_slice, pair_operands, sum_partials, weight_scale, weight_slice)
 from .fp32_rows import fp32_rows_linear
 from .linear_rows import ROWS_MAX_ROWS, rows_linear
 from .quant import fp8_act_qdq, fp8_act_quant
@@ -58,14 +58,8 @@ def _linear_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M,
     tile = (g * tl.num_programs(1) + pid_n) * tl.num_programs(0) + pid_m
     part_col = g * N  # the tile's first column in the partials
     if PAIR:
-        second = pid_n >= tiles1
-        w_ptr = tl.where(second, w2_ptr, w_ptr)
-        s_ptr = tl.where(second, s2_ptr, s_ptr)
-        out_ptr = tl.where(second, out2_ptr, out_ptr)
-        stride_om = tl.where(second, stride_o2m, stride_om)
-        part_col = tl.where(second, N, 0)
-        pid_n = tl.where(second, pid_n - tiles1, pid_n)
-        N = tl.where(second, N2, N)
+        w_ptr, s_ptr, out_ptr, stride_om, part_col, pid_n, N = pair_operands(
+            pid_n, tiles1, w_ptr, s_ptr, out_ptr, stride_om, N, w2_ptr, s2_ptr, out2_ptr, stride_o2m, N2)
     offs_n = pid_n * BN + tl.arange(0, BN)
     rows = pid_m * BM + tl.arange(0, BM)
     row_mask = rows < M

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import FP8_TILE, arrive_last, e8m0_value, reduce_sum, sum_partials
+from .common import FP8_TILE, arrive_last, e8m0_value, pair_operands, reduce_sum, sum_partials
 from .workspace import split_buffers
 
 ROWS_MAX_ROWS = 8
@@ -69,14 +69,8 @@ def _linear_rows_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N,
     part_col = g * N
     out_col = g * N
     if PAIR:
-        second = pid_n >= tiles1
-        w_ptr = tl.where(second, w2_ptr, w_ptr)
-        s_ptr = tl.where(second, s2_ptr, s_ptr)
-        out_ptr = tl.where(second, out2_ptr, out_ptr)
-        stride_om = tl.where(second, stride_o2m, stride_om)
-        part_col = tl.where(second, N, 0)
-        pid_n = tl.where(second, pid_n - tiles1, pid_n)
-        N = tl.where(second, N2, N)
+        w_ptr, s_ptr, out_ptr, stride_om, part_col, pid_n, N = pair_operands(
+            pid_n, tiles1, w_ptr, s_ptr, out_ptr, stride_om, N, w2_ptr, s2_ptr, out2_ptr, stride_o2m, N2)
     offs_n = pid_n * BN + tl.arange(0, BN)
     n_ok = offs_n < N
     rows_n = g * N + tl.minimum(offs_n, N - 1)  # rows past N repeat the last (not stored): loads need no row mask
