@@ -167,14 +167,22 @@ def dspark_rows(model, context: int, steps: int, accepted_lengths=(2.8, 3.5)) ->
     return row
 
 
-def profile_decode(model, context: int, steps: int = 3, top: int = 50, width: int = 1) -> None:
+def profile_decode(model, context: int, steps: int = 3, top: int = 50, width: int = 1, draft: bool = False
+                   ) -> None:
     """The CUDA time of a graph-replayed batch-1 decode step of `width` tokens by kernel (torch.profiler), largest
-    first; width > 1 is DSpark's verify step (on a cache with the drafter's rings, cropped back after each)."""
-    cache, token = prefilled_cache(model, context, 1, dspark=width > 1)
-    decoder = DeepseekV41CUDAGraphDecoder(model, cache, max_new_tokens=steps + width + 8, widest=width)
+    first; width > 1 is DSpark's verify step (on a cache with the drafter's rings, cropped back after each), `draft`
+    the drafter's replayed forward instead."""
+    rings = width > 1 or draft
+    cache, token = prefilled_cache(model, context, 1, dspark=rings)
+    block = model.config.text_config.dspark_block_size
+    decoder = DeepseekV41CUDAGraphDecoder(model, cache, max_new_tokens=steps + width + block + 8,
+                                          widest=block + 1 if draft else width)
     ids = torch.randint(3, model.config.text_config.vocab_size, (1, width), device="cuda") if width > 1 else token
 
     def step():
+        if draft:
+            decoder.call("draft", lambda next_ids: dspark_draft(model, next_ids, cache), token[:, 0])
+            return
         decoder.step(ids)
         if width > 1:
             cache.crop(-width)
@@ -188,12 +196,13 @@ def profile_decode(model, context: int, steps: int = 3, top: int = 50, width: in
     decoder.close()
     kernels = sorted((e for e in prof.key_averages() if e.self_device_time_total > 0),
                      key=lambda e: -e.self_device_time_total)
-    print(f"top kernels of a replayed {width}-token step (us per step, launches per step):")
+    what = "drafter forward" if draft else f"{width}-token step"
+    print(f"top kernels of a replayed {what} (us per call, launches per call):")
     for e in kernels[:top]:
         print(f"K {e.self_device_time_total / steps:10.1f} {e.count // steps:6d}  {e.key[:100]}")
     total = sum(e.self_device_time_total for e in kernels) / 1e3 / steps
     launches = sum(e.count for e in kernels) // steps
-    print(json.dumps({"profiled_width": width, "profiled_steps": steps, "gpu_busy_ms_per_step": total,
+    print(json.dumps({"profiled": what, "profiled_steps": steps, "gpu_busy_ms_per_step": total,
                       "launches_per_step": launches}), flush=True)
 
 
@@ -242,6 +251,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="also profile graph-replayed batch-1 decode steps")
     parser.add_argument("--profile-verify", action="store_true",
                         help="also profile DSpark's graph-replayed verify step (block + 1 tokens, batch 1)")
+    parser.add_argument("--profile-draft", action="store_true", help="also profile the drafter's replayed forward")
     parser.add_argument("--bandwidth", type=float, default=4.8e12)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -259,6 +269,8 @@ def main() -> None:
         profile_decode(model, args.context)
     if args.profile_verify:
         profile_decode(model, args.context, width=model.config.text_config.dspark_block_size + 1)
+    if args.profile_draft:
+        profile_decode(model, args.context, draft=True)
     skip = {("exact", n) for n in args.skip_prefill}
     prefill_rows(model, args.prefill, args.prefill_modes, skip)
 
