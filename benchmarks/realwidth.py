@@ -66,9 +66,12 @@ def build(config: DeepseekV41Config) -> DeepseekV41ForCausalLM:
     return model
 
 
-def step_bytes(model: DeepseekV41ForCausalLM, batch: int) -> int:
-    """Bytes of stored weights a decode step of `batch` rows reads (see the module docstring)."""
+def step_bytes(model: DeepseekV41ForCausalLM, batch: int, experts_read: float | None = None) -> int:
+    """Bytes of stored weights a decode step of `batch` rows reads (see the module docstring); `experts_read`
+    replaces min(E, batch * k) routed experts per layer (the tokens of one row share it, see expected_experts)."""
     text = model.config.text_config
+    if experts_read is None:
+        experts_read = min(text.n_routed_experts, batch * text.num_experts_per_tok)
     total = 0
     for name, param in model.named_parameters():
         name = name.removeprefix("model.")  # the base model's names are the hub's
@@ -76,9 +79,14 @@ def step_bytes(model: DeepseekV41ForCausalLM, batch: int) -> int:
             continue
         size = param.numel() * param.element_size()
         if ".ffn.experts." in name:
-            size = size * min(text.n_routed_experts, batch * text.num_experts_per_tok) / text.n_routed_experts
+            size = size * experts_read / text.n_routed_experts
         total += size
     return int(total)
+
+
+def expected_experts(experts: int, top_k: int, tokens: int) -> float:
+    """Distinct routed experts `tokens` tokens read per layer on average if each picks top_k of them uniformly."""
+    return experts * (1.0 - (1.0 - top_k / experts) ** tokens)
 
 
 def timed_ms(fn, repeats: int, warmup: int = 2, after=None) -> float:
@@ -156,6 +164,9 @@ def dspark_rows(model, context: int, steps: int, accepted_lengths=(2.8, 3.5)) ->
                                repeats=steps, warmup=3)
     decoder.close()
     row["verify_over_step"] = row["verify_ms"] / row["step_ms"]
+    text = model.config.text_config  # a verify's tokens share experts: its roofline over the step's
+    read = expected_experts(text.n_routed_experts, text.num_experts_per_tok, block + 1)
+    row["verify_roofline_over_step_roofline"] = step_bytes(model, 1, read) / step_bytes(model, 1)
     row["draft_over_step"] = row["draft_ms"] / row["step_ms"]
     for length in accepted_lengths:
         per_token = (row["draft_ms"] + row["verify_ms"]) / length
