@@ -90,6 +90,19 @@ def test_a_rows_sum_does_not_depend_on_the_calls_rows(split_target):
         assert _rel(full, ref) < 2e-6
 
 
+def test_a_wider_dense_weight_is_rounded_to_the_activations_dtype_in_registers():
+    """The grouped wo_a with an fp32 weight and bf16 activations multiplies the weight rounded to bf16 (the
+    reference's `weight.to(x.dtype)`), without a rounded copy: the bits of the call on the rounded copy."""
+    from modeling_deepseek_v41.kernels.triton import grouped_linear
+
+    groups, r, k = 2, 64, 256
+    weight = _randn(groups * r, k, seed=12, scale=0.05)
+    x = _randn(3, groups, k, seed=13, dtype=torch.bfloat16)
+    out = grouped_linear(x, weight, None, groups)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, grouped_linear(x, weight.to(torch.bfloat16), None, groups))
+    assert not torch.equal(weight.to(torch.bfloat16).float(), weight)  # the rounding is not a no-op here
+
+
 def test_row_counts_past_the_formulation_are_refused():
     assert [row_block(m) for m in (1, 2, 3, 5, 8)] == [1, 2, 3, 5, 8]
     with pytest.raises(ValueError, match="1 to 8 rows"):

@@ -43,8 +43,9 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
         return torch.einsum("...gd,grd->...gr", x, dense)
     fmt = FMT_DENSE if scale is None else FMT_FP8_TILE
     if m <= ROWS_MAX_ROWS:
-        wide = scale is not None or weight.dtype == x.dtype or x.dtype in (torch.float32, torch.float64)
-        out = rows_linear(rows, weight if wide else weight.to(x.dtype), scale, fmt, r, k, x.dtype, groups=groups)
+        narrower = scale is None and weight.dtype != x.dtype and x.dtype in (torch.bfloat16, torch.float16)
+        out = rows_linear(rows, weight, scale, fmt, r, k, x.dtype, groups=groups,
+                          weight_round=x.dtype if narrower else None)
     else:
         out = run_linear(rows, None, weight, scale, fmt, r, k, x.dtype, x.dtype, groups=groups)
     return out.view(*lead, groups, r)

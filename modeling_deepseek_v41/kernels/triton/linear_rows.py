@@ -17,12 +17,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import FP8_TILE, arrive_last, e8m0_value, pair_operands, reduce_sum, sum_partials
+from .common import FP8_TILE, arrive_last, cast, e8m0_value, pair_operands, reduce_sum, sum_partials
 from .workspace import split_buffers
 
 ROWS_MAX_ROWS = 8
 ROWS_TILE = {"BN": 64, "BK": 256, "num_warps": 4, "num_stages": 1}  # kernel_tuning.py --only rows, H200
 SPLIT_TARGET_PROGRAMS = 528  # about four programs per SM; a constant, so the split depends on (N, K) only
+_ROUNDED = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 @triton.jit
@@ -57,11 +58,11 @@ def _linear_rows_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N,
                         stride_xm, stride_wn, stride_sn, stride_om, stride_pm,
                         w2_ptr, s2_ptr, out2_ptr, N2, tiles1, stride_o2m,
                         BN: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, WFMT: tl.constexpr,
-                        PAIR: tl.constexpr, ACC: tl.constexpr):
+                        PAIR: tl.constexpr, ACC: tl.constexpr, W_ROUND: tl.constexpr):
     """out[m, g*N + n] = sum over k of x[m, g*K + k] w[g*N + n, k] for rows m < M <= BM, this program's BN weight
     rows and split of K; the group g (block-diagonal weights) and split come from the grid's second axis.
     PAIR: a second weight w2 [N2, K] of the same storage on the same input, its tiles after the first's `tiles1`;
-    the partials [splits, M, N + N2] hold both."""
+    the partials [splits, M, N + N2] hold both. W_ROUND: a dtype the dense weight's values are rounded to first."""
     pid_n = tl.program_id(0)
     g = tl.program_id(1) // splits
     pid_s = tl.program_id(1) % splits
@@ -92,6 +93,7 @@ def _linear_rows_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N,
         k_ok = cols < k_stop
         w = tl.load(w_ptr + rows_n[:, None] * stride_wn + cols[None, :], mask=k_ok[None, :], other=0.0)
         w = w.to(tl.float32).to(ACC)  # e4m3 -> fp32 exactly (the interpreter converts e4m3 to fp32 only)
+        w = cast(w, W_ROUND).to(ACC)  # W_ROUND == ACC: no work
         if WFMT == FP8_TILE:
             groups = k // 32 + tl.arange(0, G)
             # groups past K read no scale (1.0): past the row lies another row's scale, and 0 x inf = NaN
@@ -163,15 +165,17 @@ def rows_split(columns: int, k: int, tile: dict, target: int) -> tuple[int, int]
 
 def rows_linear(x2d: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, fmt: int, n: int, k: int,
                 out_dtype: torch.dtype, groups: int = 1, tile: dict | None = None, split_target: int | None = None,
-                second: tuple[torch.Tensor, torch.Tensor | None, int] | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                second: tuple[torch.Tensor, torch.Tensor | None, int] | None = None,
+                weight_round: torch.dtype | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """out [M, groups * n] = x2d [M, groups * k] times each group's n rows of the weight, for M <= ROWS_MAX_ROWS.
 
     x2d: the activations as the products take them (QDQ'd, or in the weight's dtype), contiguous along K; weight
-    [groups * n, k] e4m3 with E8M0 tiles (fmt FMT_FP8_TILE) or dense (FMT_DENSE, scale None). second: (weight2,
-    scale2, n2) of a second weight of the same storage on the same input (one group): returns (out, out2)."""
+    [groups * n, k] e4m3 with E8M0 tiles (fmt FMT_FP8_TILE) or dense (FMT_DENSE, scale None; `weight_round`
+    bf16/fp16: its values rounded to that dtype first, in registers). second: (weight2, scale2, n2) of a second
+    weight of the same storage on the same input (one group): returns (out, out2)."""
     m = x2d.shape[0]
-    tile = tile or ROWS_TILE
+    if tile is None:  # the same bytes per tile for wider dense weights (BK 256 of bf16 spills at eight rows)
+        tile = dict(ROWS_TILE, BK=max(32, ROWS_TILE["BK"] // weight.element_size()))
     w2, s2, n2 = second if second is not None else (weight, scale, 0)
     columns = groups * n + n2
     splits, k_chunk = rows_split(columns, k, tile, split_target or SPLIT_TARGET_PROGRAMS)
@@ -181,6 +185,7 @@ def rows_linear(x2d: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | N
     grid = (tiles1 + triton.cdiv(n2, tile["BN"]), groups * splits)
     part, count = split_buffers(splits, (m, columns), grid[0] * groups, x2d.device)
     wide = torch.float64 in (x2d.dtype, weight.dtype)
+    acc = tl.float64 if wide else tl.float32
     if wide and splits > 1:
         part = part.double()
     s_arg = weight if scale is None else scale.view(torch.uint8)
@@ -190,5 +195,6 @@ def rows_linear(x2d: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | N
         x2d.stride(0), weight.stride(0), 0 if scale is None else scale.stride(0), out.stride(0), columns,
         w2, s2_arg, out2, n2, tiles1, out2.stride(0),
         BN=tile["BN"], BK=tile["BK"], BM=row_block(m), WFMT=fmt, PAIR=second is not None,
-        ACC=tl.float64 if wide else tl.float32, num_warps=tile["num_warps"], num_stages=tile["num_stages"])
+        ACC=acc, W_ROUND=_ROUNDED.get(weight_round, acc),
+        num_warps=tile["num_warps"], num_stages=tile["num_stages"])
     return (out, out2) if second is not None else out
