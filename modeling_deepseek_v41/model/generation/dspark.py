@@ -89,6 +89,10 @@ def dspark_generation_config(model, generation_config: GenerationConfig | None, 
         config.use_dspark = use_dspark
     for name, value in fields.items():
         setattr(config, name, value)
+    least = getattr(config, "dspark_min_accepted", None)  # an argument, or a field of generation_config.json
+    if least is not None and (isinstance(least, bool) or not isinstance(least, (int, float)) or not least >= 0):
+        raise ValueError(f"dspark_min_accepted is the number of drafts a round must keep to draft again at once "
+                         f"(0 drafts every round); got {least!r}. Pass a number >= 0.")
     if getattr(config, "use_dspark", False):
         if not model.has_dspark:
             raise ValueError(

@@ -85,6 +85,8 @@ def test_failing_drafts_back_off_to_plain_steps():
     assert every_round["dspark_plain_steps"] == 0
     assert backing_off["dspark_plain_steps"] > backing_off["dspark_rounds"] >= 1
     assert backing_off["dspark_rounds"] < every_round["dspark_rounds"]
+    with pytest.raises(ValueError, match="dspark_min_accepted"):
+        model.generate(ids, use_dspark=True, dspark_min_accepted=-1, **common)
 
 
 def _tiny_vocab_model():
