@@ -174,15 +174,19 @@ def dequantize_weight(weight: torch.Tensor, scale: torch.Tensor, fmt: int, n: in
     return out
 
 
+def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
+    """x [..., K] as rows [M, K], contiguous along K (the kernels' loads assume it)."""
+    rows = x.reshape(-1, k)
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
 def _quantized(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt: int, n: int, k: int,
                fp8_dot: bool | None) -> torch.Tensor:
     if x.shape[-1] != k:
         raise ValueError(f"input has {x.shape[-1]} features, the weight expects {k}")
     if weight.stride(-1) != 1 or scale.element_size() != 1:
         raise ValueError("the weight must be contiguous along K and the scales E8M0 (float8_e8m0fnu or uint8 bytes)")
-    rows = x.reshape(-1, k)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    rows = _rows(x, k)
     if fp8_dot is None and rows.shape[0] > DECODE_MAX_ROWS:
         dense = dequantize_weight(weight, scale, fmt, n, k)
         qdq = fp8_act_qdq(rows, torch.bfloat16)
@@ -239,9 +243,7 @@ def linear_pair(x: torch.Tensor, first: tuple[torch.Tensor, torch.Tensor | None]
         raise ValueError("linear_pair takes two FP8 weights with scales or two dense weights of one dtype and K")
     if x.shape[-1] != k:
         raise ValueError(f"input has {x.shape[-1]} features, the weights expect {k}")
-    rows = x.reshape(-1, k)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    rows = _rows(x, k)
     if rows.shape[0] > DECODE_MAX_ROWS or w1.stride(-1) != 1 or w2.stride(-1) != 1 or (
             not quantized and w1.dtype not in (torch.bfloat16, torch.float16)):
         one = (lambda w, s: fp8_linear(x, w, s)) if quantized else (lambda w, s: dense_linear(x, w))
@@ -277,9 +279,7 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     fp32 copies at decode sizes: the fp32 weights' kernel converts both in registers (the same products and
     order as on fp32 copies)."""
     k = weight.shape[1]
-    rows = x.reshape(-1, k)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    rows = _rows(x, k)
     if rows.shape[0] > DECODE_MAX_ROWS or weight.stride(-1) != 1:
         out = torch.nn.functional.linear(rows.float(), weight.float())
     else:
@@ -297,9 +297,7 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"input has {x.shape[-1]} features, the weight expects {k}")
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
-    rows = x.reshape(-1, k)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    rows = _rows(x, k)
     if rows.shape[0] > DECODE_MAX_ROWS:  # prefill-sized: cuBLAS
         out = torch.nn.functional.linear(rows.to(weight.dtype), weight)
     elif weight.dtype == torch.float32:  # true fp32 products: CUDA cores, each weight read once

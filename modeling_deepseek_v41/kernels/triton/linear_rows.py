@@ -27,30 +27,27 @@ _ROUNDED = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 @triton.jit
-def _row_part(w, scale, x_ptr, r, M, cols, k_ok, stride_xm, BN: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr):
+def _row_part(w, scale, x_ptr, r, cols, k_ok, stride_xm, BN: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr):
     """[BN, BK/32] sums of one row's products with the tile, per 32-column group, times the groups' scales."""
-    x = tl.load(x_ptr + r * stride_xm + cols, mask=k_ok & (cols * 0 + r < M), other=0.0).to(ACC)
+    x = tl.load(x_ptr + r * stride_xm + cols, mask=k_ok, other=0.0).to(ACC)
     return reduce_sum(tl.reshape(w * x[None, :], [BN, BK // 32, 32]), 2) * scale
 
 
 @triton.jit
-def _store_row(total, r, M, offs_n, n_ok, out_ptr, out_col, stride_om, part_ptr, part_col, stride_pm, pid_s,
+def _store_row(total, r, offs_n, n_ok, out_ptr, out_col, stride_om, part_ptr, part_col, stride_pm, pid_s,
                split_stride, splits):
     """Row r's [BN] sums: the output (one split) or this split's partials."""
-    if r < M:
-        if splits == 1:
-            tl.store(out_ptr + r * stride_om + out_col + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
-        else:
-            tl.store(part_ptr + pid_s * split_stride + r * stride_pm + part_col + offs_n, total, mask=n_ok)
+    if splits == 1:
+        tl.store(out_ptr + r * stride_om + out_col + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
+    else:
+        tl.store(part_ptr + pid_s * split_stride + r * stride_pm + part_col + offs_n, total, mask=n_ok)
 
 
 @triton.jit
-def _finish_row(r, M, offs_n, n_ok, out_ptr, out_col, stride_om, part_ptr, part_col, stride_pm, split_stride,
-                splits):
+def _finish_row(r, offs_n, n_ok, out_ptr, out_col, stride_om, part_ptr, part_col, stride_pm, split_stride, splits):
     """Row r's output from the split partials, summed in split order (the tile's last program)."""
-    if r < M:
-        total = sum_partials(part_ptr, r * stride_pm + part_col + offs_n, n_ok, splits, split_stride)
-        tl.store(out_ptr + r * stride_om + out_col + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
+    total = sum_partials(part_ptr, r * stride_pm + part_col + offs_n, n_ok, splits, split_stride)
+    tl.store(out_ptr + r * stride_om + out_col + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit
@@ -59,7 +56,7 @@ def _linear_rows_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N,
                         w2_ptr, s2_ptr, out2_ptr, N2, tiles1, stride_o2m,
                         BN: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, WFMT: tl.constexpr,
                         PAIR: tl.constexpr, ACC: tl.constexpr, W_ROUND: tl.constexpr):
-    """out[m, g*N + n] = sum over k of x[m, g*K + k] w[g*N + n, k] for rows m < M <= BM, this program's BN weight
+    """out[m, g*N + n] = sum over k of x[m, g*K + k] w[g*N + n, k] for the M = BM rows, this program's BN weight
     rows and split of K; the group g (block-diagonal weights) and split come from the grid's second axis.
     PAIR: a second weight w2 [N2, K] of the same storage on the same input, its tiles after the first's `tiles1`;
     the partials [splits, M, N + N2] hold both. W_ROUND: a dtype the dense weight's values are rounded to first."""
@@ -101,49 +98,49 @@ def _linear_rows_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N,
                                (groups * 32 < k_stop)[None, :] & (rows_n >= 0)[:, None]).to(ACC)
         else:
             scale = tl.full([BN, G], 1.0, ACC)
-        acc0 += _row_part(w, scale, x_ptr, 0, M, cols, k_ok, stride_xm, BN, BK, ACC)
+        acc0 += _row_part(w, scale, x_ptr, 0, cols, k_ok, stride_xm, BN, BK, ACC)
         if BM > 1:
-            acc1 += _row_part(w, scale, x_ptr, 1, M, cols, k_ok, stride_xm, BN, BK, ACC)
+            acc1 += _row_part(w, scale, x_ptr, 1, cols, k_ok, stride_xm, BN, BK, ACC)
         if BM > 2:
-            acc2 += _row_part(w, scale, x_ptr, 2, M, cols, k_ok, stride_xm, BN, BK, ACC)
+            acc2 += _row_part(w, scale, x_ptr, 2, cols, k_ok, stride_xm, BN, BK, ACC)
         if BM > 3:
-            acc3 += _row_part(w, scale, x_ptr, 3, M, cols, k_ok, stride_xm, BN, BK, ACC)
+            acc3 += _row_part(w, scale, x_ptr, 3, cols, k_ok, stride_xm, BN, BK, ACC)
         if BM > 4:
-            acc4 += _row_part(w, scale, x_ptr, 4, M, cols, k_ok, stride_xm, BN, BK, ACC)
+            acc4 += _row_part(w, scale, x_ptr, 4, cols, k_ok, stride_xm, BN, BK, ACC)
         if BM > 5:
-            acc5 += _row_part(w, scale, x_ptr, 5, M, cols, k_ok, stride_xm, BN, BK, ACC)
+            acc5 += _row_part(w, scale, x_ptr, 5, cols, k_ok, stride_xm, BN, BK, ACC)
         if BM > 6:
-            acc6 += _row_part(w, scale, x_ptr, 6, M, cols, k_ok, stride_xm, BN, BK, ACC)
+            acc6 += _row_part(w, scale, x_ptr, 6, cols, k_ok, stride_xm, BN, BK, ACC)
         if BM > 7:
-            acc7 += _row_part(w, scale, x_ptr, 7, M, cols, k_ok, stride_xm, BN, BK, ACC)
+            acc7 += _row_part(w, scale, x_ptr, 7, cols, k_ok, stride_xm, BN, BK, ACC)
     split_stride = M * stride_pm
-    _store_row(reduce_sum(acc0, 1), 0, M, offs_n, n_ok, out_ptr, out_col, stride_om, part_ptr, part_col,
+    _store_row(reduce_sum(acc0, 1), 0, offs_n, n_ok, out_ptr, out_col, stride_om, part_ptr, part_col,
                stride_pm, pid_s, split_stride, splits)
     if BM > 1:
-        _store_row(reduce_sum(acc1, 1), 1, M, offs_n, n_ok, out_ptr, out_col, stride_om, part_ptr, part_col,
+        _store_row(reduce_sum(acc1, 1), 1, offs_n, n_ok, out_ptr, out_col, stride_om, part_ptr, part_col,
                    stride_pm, pid_s, split_stride, splits)
     if BM > 2:
-        _store_row(reduce_sum(acc2, 1), 2, M, offs_n, n_ok, out_ptr, out_col, stride_om, part_ptr, part_col,
+        _store_row(reduce_sum(acc2, 1), 2, offs_n, n_ok, out_ptr, out_col, stride_om, part_ptr, part_col,
                    stride_pm, pid_s, split_stride, splits)
     if BM > 3:
-        _store_row(reduce_sum(acc3, 1), 3, M, offs_n, n_ok, out_ptr, out_col, stride_om, part_ptr, part_col,
+        _store_row(reduce_sum(acc3, 1), 3, offs_n, n_ok, out_ptr, out_col, stride_om, part_ptr, part_col,
                    stride_pm, pid_s, split_stride, splits)
     if BM > 4:
-        _store_row(reduce_sum(acc4, 1), 4, M, offs_n, n_ok, out_ptr, out_col, stride_om, part_ptr, part_col,
+        _store_row(reduce_sum(acc4, 1), 4, offs_n, n_ok, out_ptr, out_col, stride_om, part_ptr, part_col,
                    stride_pm, pid_s, split_stride, splits)
     if BM > 5:
-        _store_row(reduce_sum(acc5, 1), 5, M, offs_n, n_ok, out_ptr, out_col, stride_om, part_ptr, part_col,
+        _store_row(reduce_sum(acc5, 1), 5, offs_n, n_ok, out_ptr, out_col, stride_om, part_ptr, part_col,
                    stride_pm, pid_s, split_stride, splits)
     if BM > 6:
-        _store_row(reduce_sum(acc6, 1), 6, M, offs_n, n_ok, out_ptr, out_col, stride_om, part_ptr, part_col,
+        _store_row(reduce_sum(acc6, 1), 6, offs_n, n_ok, out_ptr, out_col, stride_om, part_ptr, part_col,
                    stride_pm, pid_s, split_stride, splits)
     if BM > 7:
-        _store_row(reduce_sum(acc7, 1), 7, M, offs_n, n_ok, out_ptr, out_col, stride_om, part_ptr, part_col,
+        _store_row(reduce_sum(acc7, 1), 7, offs_n, n_ok, out_ptr, out_col, stride_om, part_ptr, part_col,
                    stride_pm, pid_s, split_stride, splits)
     if splits > 1:
         if arrive_last(count_ptr, tile, splits):
             for r in range(0, M):
-                _finish_row(r, M, offs_n, n_ok, out_ptr, out_col, stride_om, part_ptr, part_col, stride_pm,
+                _finish_row(r, offs_n, n_ok, out_ptr, out_col, stride_om, part_ptr, part_col, stride_pm,
                             split_stride, splits)
 
 
