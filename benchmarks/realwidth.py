@@ -217,6 +217,37 @@ def profile_decode(model, context: int, steps: int = 3, top: int = 50, width: in
                       "launches_per_step": launches}), flush=True)
 
 
+def profile_prefill(model, length: int, mode: str, top: int = 40) -> None:
+    """The CUDA time of one prefill call of `length` tokens (after a warm-up call) by kernel, and by the package's
+    source line that launched it (torch.profiler's stacks), largest first."""
+    ids = torch.randint(3, model.config.text_config.vocab_size, (1, length), device="cuda")
+
+    def run():
+        with torch.no_grad():
+            model(ids, cache=DeepseekV41Cache(model.config), prefill_mode=mode, logits_to_keep=1)
+    run()
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities, with_stack=True) as prof:
+        run()
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.key_averages() if e.self_device_time_total > 0 and e.device_type.name == "CUDA"),
+                     key=lambda e: -e.self_device_time_total)
+    print(f"top kernels of a {length}-token {mode} prefill (ms, launches):")
+    for e in kernels[:top]:
+        print(f"P {e.self_device_time_total / 1e3:9.1f} {e.count:7d}  {e.key[:100]}")
+    ops = sorted((e for e in prof.key_averages(group_by_stack_n=6) if e.self_device_time_total > 0
+                  and e.device_type.name == "CPU"), key=lambda e: -e.self_device_time_total)
+    print("top launching ops by source (ms of their kernels, calls):")
+    for e in ops[:top]:
+        frames = [f for f in e.stack if "modeling_deepseek_v41" in f][:3]
+        print(f"S {e.self_device_time_total / 1e3:9.1f} {e.count:7d}  {e.key[:40]}  " + " < ".join(
+            f.split("modeling_deepseek_v41/")[-1] for f in frames))
+    total = sum(e.self_device_time_total for e in kernels) / 1e3
+    print(json.dumps({"profiled_prefill": length, "mode": mode, "gpu_busy_ms": total,
+                      "launches": sum(e.count for e in kernels)}), flush=True)
+
+
 def prefill_rows(model, lengths: list[int], modes: list[str], skip: set[tuple[str, int]]) -> list[dict]:
     vocab = model.config.text_config.vocab_size
     rows = []
@@ -251,7 +282,7 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=32)
     parser.add_argument("--engram-rows", type=int, default=1 << 20)
     parser.add_argument("--context", type=int, default=4096)
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--batches", type=int, nargs="*", default=[1, 32], help="none: no decode rows")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--prefill", type=int, nargs="*", default=[4096, 16384, 65536])
     parser.add_argument("--prefill-modes", nargs="+", default=["exact", "bounded_replay"])
@@ -263,6 +294,8 @@ def main() -> None:
     parser.add_argument("--profile-verify", action="store_true",
                         help="also profile DSpark's graph-replayed verify step (block + 1 tokens, batch 1)")
     parser.add_argument("--profile-draft", action="store_true", help="also profile the drafter's replayed forward")
+    parser.add_argument("--profile-prefill", type=int, default=0, metavar="TOKENS",
+                        help="also profile one exact prefill of this many tokens, by kernel and by source line")
     parser.add_argument("--bandwidth", type=float, default=4.8e12)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -282,6 +315,8 @@ def main() -> None:
         profile_decode(model, args.context, width=model.config.text_config.dspark_block_size + 1)
     if args.profile_draft:
         profile_decode(model, args.context, draft=True)
+    if args.profile_prefill:
+        profile_prefill(model, args.profile_prefill, "exact")
     skip = {("exact", n) for n in args.skip_prefill}
     prefill_rows(model, args.prefill, args.prefill_modes, skip)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.dispatch import kernel_path
 from ..layers.kv_store import CompressStep
 from .chunk import check_static_step, chunk_positions
 from .pool import StoredPoolView
@@ -74,8 +75,12 @@ class CacheStore:
                floor: torch.Tensor | None = None) -> RingWindow:
         ring = self.cache.rings[layer_id]
         widest = ring.width(size, self.chunk_max_length)
-        # a longer chunk overwrites slots its first queries list: they read a copy of the ring as it was
-        listed = ring if ring.holds_chunk(kv.shape[1], size) else ring.snapshot()
+        if ring.holds_chunk(kv.shape[1], size):
+            listed = ring
+        elif kernel_path(kv):  # the fused attention lists a long chunk's windows from one ring wide enough
+            listed = ring.spanning(kv, positions, self.chunk_start)
+        else:  # a longer chunk overwrites slots its first queries list: they read a copy of the ring as it was
+            listed = ring.snapshot()
         ring.write(kv, positions)
-        stored = ring.stored(widest) if listed is ring else None
+        stored = None if listed is not ring and not kernel_path(kv) else listed.stored(widest)
         return RingWindow(listed, kv, positions, size, floor, self.chunk_start, widest, stored)

@@ -47,6 +47,16 @@ class Ring:
     def stored(self, width: int) -> StoredWindow:
         return StoredWindow(self.rows.codes, self.rows.scales, self.positions, width)
 
+    def spanning(self, chunk_kv: torch.Tensor, positions: torch.Tensor, chunk_start: torch.Tensor) -> Ring:
+        """A ring of size + S slots holding this ring's entries before `chunk_start` [B] and the chunk's KV
+        [B,S,hd] at `positions`: every window a query of a long chunk lists, in one ring (the fused attention's)."""
+        batch, seq, dim = chunk_kv.shape
+        held = self.rows.gather(torch.arange(self.size, device=chunk_kv.device).expand(batch, -1), chunk_kv.dtype)
+        earlier = torch.where(self.positions < chunk_start.view(-1, 1), self.positions, -1)  # a replay's: the chunk's
+        wide = Ring(self.size + seq, dim, batch, chunk_kv.device)
+        wide.write(torch.cat([held, chunk_kv], dim=1), torch.cat([earlier, positions], dim=1))
+        return wide
+
     def snapshot(self) -> Ring:
         """A copy of the ring as it is now (what a long chunk's queries list once the chunk overwrote slots)."""
         held = copy.copy(self)

@@ -273,6 +273,77 @@ def test_static_decode_steps_with_the_fused_ops_equal_the_exact_steps(monkeypatc
         assert _rel(got, ref) <= EXACT
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_long_chunk_attends_through_a_spanning_ring(dtype):
+    """A prefill chunk longer than its ring holds lists its windows from a spanning ring (the ring's earlier
+    entries and the chunk's, `Ring.spanning`): the stored attention over it equals the exact attention over the
+    entries listed from the chunk and the ring as before (`Ring.list_entries`); on a GPU at the released widths."""
+    from modeling_deepseek_v41.cache.ring import Ring
+    from modeling_deepseek_v41.kernels.rope import apply_rope_tail
+    from modeling_deepseek_v41.kernels.sparse_attention import sparse_attention
+
+    heads, dim, rope, window, slots, earlier, seq, pool_rows, topk = (
+        (64, 512, 64, 128, 192, 300, 2000, 1200, 512) if CUDA else (3, 128, 16, 16, 24, 30, 40, 50, 12))
+    g = torch.Generator().manual_seed(3)
+
+    def window_entries(n):  # as the model writes them: FP8-QDQ'd
+        return numerics.fp8_act_qdq(torch.randn(1, n, dim, generator=g, dtype=torch.float64)).to(dtype).to(DEVICE)
+    positions = torch.arange(earlier, earlier + seq, device=DEVICE).unsqueeze(0)
+    chunk_start = torch.tensor([earlier], device=DEVICE)
+    pool_codes, pool_scales = fp4_quantize_rows(torch.randn(1, pool_rows, dim, generator=g), 16, "e4m3")
+    pool = StoredPool(pool_codes.to(DEVICE), pool_scales.to(torch.float8_e4m3fn).view(torch.uint8).to(DEVICE))
+    selected = torch.stack([torch.randperm(pool_rows, generator=g)[:topk].sort().values for _ in range(seq)])
+    selected[:, -5:] = -1  # fewer rows than the selection's width
+    selected = selected.unsqueeze(0).to(DEVICE)
+    q = torch.randn(1, seq, heads, dim, generator=g).to(dtype).to(DEVICE)
+    angles = positions.unsqueeze(-1).float().cpu() * torch.rand(rope // 2, generator=g)
+    rotation = torch.polar(torch.ones_like(angles), angles).to(DEVICE)
+    sink = torch.randn(heads, generator=g).to(DEVICE)
+    with torch.no_grad():
+        ring = Ring(slots, dim, 1, torch.device(DEVICE))
+        ring.write(window_entries(earlier), torch.arange(earlier, device=DEVICE).unsqueeze(0))
+        chunk_kv = window_entries(seq)
+        listed, valid = ring.list_entries(chunk_kv.double(), positions, window, window, None, 0, chunk_start)
+        pooled = numerics.fp4_dequantize_rows(pool.codes, pool.scales.view(torch.float8_e4m3fn), torch.float64)
+        pooled = pooled[0, selected[0].clamp_min(0)].unsqueeze(0)
+        entries, valid = torch.cat([listed, pooled], dim=2), torch.cat([valid, selected >= 0], dim=2)
+        ref = sparse_attention(apply_rope_tail(q.double(), rotation, rope), entries, valid, sink.double(), 0.05)
+        ref = apply_rope_tail(ref, rotation, rope, inverse=True)
+        del entries, listed, pooled
+        spanning = ring.spanning(chunk_kv, positions, chunk_start)
+        out = stored_attention(q, rotation, rope, positions, None, window, spanning.stored(window), pool, selected,
+                               sink, 0.05)
+    # bf16 against the float64 math: its own roundings (queries, probabilities, output), 2.2e-3 measured on the CPU
+    assert _rel(out, ref) <= (EXACT if dtype == torch.float64 else 5e-3)
+
+
+@pytest.mark.slow  # 30 s in the interpreter; test_a_long_chunk_attends_through_a_spanning_ring covers the kernel
+@pytest.mark.skipif(CUDA, reason="the float64 model runs the fused ops in the interpreter")
+def test_long_chunks_through_the_stored_attention_equal_the_exact_prefill(monkeypatch):
+    """Prefill chunks longer than a ring holds list their windows from a spanning ring (the ring's earlier entries
+    and the chunk's) into the stored attention: a float64 model's logits equal the exact chunked prefill's."""
+    import sys
+
+    from model_factory import random_model
+    from modeling_deepseek_v41.cache import DeepseekV41Cache
+
+    model = random_model(dtype=torch.float64, seed=7)
+    text = model.config.text_config
+    cut = text.sliding_window + 6  # two chunks longer than a ring of window + 4 slots holds; the second lists the first's
+    ids = torch.randint(3, text.vocab_size, (1, 2 * cut), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        cache = DeepseekV41Cache(model.config, crop_horizon=4)
+        exact = [model(ids[:, :cut], cache=cache).logits, model(ids[:, cut:], cache=cache).logits]
+        for name in ("kernels.sparse_attention", "cache.ring", "cache.cache_store"):
+            monkeypatch.setattr(sys.modules[f"modeling_deepseek_v41.{name}"], "kernel_path",
+                                lambda x: not torch.is_grad_enabled() and x.numel() > 0)
+        cache = DeepseekV41Cache(model.config, crop_horizon=4)
+        fused = [model(ids[:, :cut], cache=cache).logits, model(ids[:, cut:], cache=cache).logits]
+    assert not any(ring.holds_chunk(cut, text.sliding_window) for ring in cache.rings.values())
+    for got, ref in zip(fused, exact):
+        assert _rel(got, ref) <= EXACT
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16] + ([] if CUDA else [torch.float64]))
 @pytest.mark.parametrize("block, scale_format", [(32, "e8m0"), (16, "e4m3")], ids=["index", "pool"])
 def test_fp4_rows_equal_the_numerics_bit_for_bit(dtype, block, scale_format):

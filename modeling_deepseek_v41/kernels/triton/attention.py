@@ -23,6 +23,7 @@ LOGIT_HEADS = 64  # phase 1: heads per program, so each block of entries is dequ
 QK_CHUNK = 128  # head dims per logit dot
 OUT_CHUNK = 64  # phase 2: output dims per program
 LOGIT_WARPS, OUTPUT_WARPS = 8, 4
+LOGITS_BYTES = 1 << 28  # the most a launch's logits take (a long prefill runs its rows in slices)
 
 
 @triton.jit
@@ -141,11 +142,12 @@ def _entry_chunk(j, width, slot, window_ok, row, pool_ok, ring_codes, ring_scale
 def _attention_logits_kernel(q_ptr, rot_ptr, logits_ptr, pos_ptr, floor_ptr, ring_codes_ptr, ring_scales_ptr,
                              ring_pos_ptr, pool_codes_ptr, pool_scales_ptr, topk_ptr, S, H, window, width, ring_size,
                              n_topk, n_blocks, softmax_scale, stride_rcb, stride_rsb, stride_rpb, stride_pcb,
-                             stride_psb, stride_tr, D: tl.constexpr, ROPE: tl.constexpr, BH: tl.constexpr,
+                             stride_psb, stride_tr, row0, D: tl.constexpr, ROPE: tl.constexpr, BH: tl.constexpr,
                              BL: tl.constexpr, DC: tl.constexpr, HAS_FLOOR: tl.constexpr, ACC: tl.constexpr,
                              DOT: tl.constexpr, IEEE: tl.constexpr):
-    """Phase 1: block j of row r's entries dequantized once, its masked, scaled logits for BH heads (every dim)."""
-    r = tl.program_id(0)
+    """Phase 1: block j of row r's entries dequantized once, its masked, scaled logits for BH heads (every dim);
+    the logits of rows row0 onward."""
+    r = row0 + tl.program_id(0)
     j = tl.program_id(1)
     heads = tl.program_id(2) * BH + tl.arange(0, BH)
     h_ok = heads < H
@@ -161,20 +163,21 @@ def _attention_logits_kernel(q_ptr, rot_ptr, logits_ptr, pos_ptr, floor_ptr, rin
                          pool_scales_ptr + b * stride_psb, c0, D, BL, DC, DOT)
         logits += _dot(q, tl.trans(e), IEEE)
     logits = tl.where((window_ok | pool_ok)[None, :], logits, -float("inf")) * softmax_scale
-    tl.store(logits_ptr + ((r * H + heads) * n_blocks + j)[:, None] * BL + lane[None, :], logits, mask=h_ok[:, None])
+    tl.store(logits_ptr + (((r - row0) * H + heads) * n_blocks + j)[:, None] * BL + lane[None, :], logits,
+             mask=h_ok[:, None])
 
 
 @triton.jit
 def _attention_output_kernel(rot_ptr, logits_ptr, o_ptr, sink_ptr, pos_ptr, floor_ptr, ring_codes_ptr,
                              ring_scales_ptr, ring_pos_ptr, pool_codes_ptr, pool_scales_ptr, topk_ptr, S, H, window,
                              width, ring_size, n_topk, n_blocks, stride_rcb, stride_rsb, stride_rpb,
-                             stride_pcb, stride_psb, stride_tr, D: tl.constexpr, ROPE: tl.constexpr,
+                             stride_pcb, stride_psb, stride_tr, row0, D: tl.constexpr, ROPE: tl.constexpr,
                              BH: tl.constexpr, BL: tl.constexpr, DO: tl.constexpr, HAS_FLOOR: tl.constexpr,
                              ROUND_P: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr):
     """Phase 2: the reference's online softmax over the blocks in order (probabilities rounded to bf16 against the
     running max in the numerator, fp32 in the denominator, the sink at the end) for BH heads and DO output dims,
     then the inverse RoPE."""
-    r = tl.program_id(0)
+    r = row0 + tl.program_id(0)
     heads = tl.program_id(1) * BH + tl.arange(0, BH)
     h_ok = heads < H
     o0 = tl.program_id(2) * DO
@@ -187,7 +190,7 @@ def _attention_output_kernel(rot_ptr, logits_ptr, o_ptr, sink_ptr, pos_ptr, floo
         slot, window_ok, row, pool_ok = _block_entries(j, lane, r, b, p, lowest, lowest_visible, width,
                                                        ring_size, n_topk, ring_pos_ptr, topk_ptr, stride_rpb,
                                                        stride_tr, HAS_FLOOR)
-        logits = tl.load(logits_ptr + ((r * H + heads) * n_blocks + j)[:, None] * BL + lane[None, :],
+        logits = tl.load(logits_ptr + (((r - row0) * H + heads) * n_blocks + j)[:, None] * BL + lane[None, :],
                          mask=h_ok[:, None], other=-float("inf"))
         e = _entry_chunk(j, width, slot, window_ok, row, pool_ok, ring_codes_ptr + b * stride_rcb,
                          ring_scales_ptr + b * stride_rsb, pool_codes_ptr + b * stride_pcb,
@@ -234,8 +237,10 @@ def stored_attention(q: torch.Tensor, rotation: torch.Tensor, rope_dim: int, pos
     dc, do = min(QK_CHUNK, dim), min(OUT_CHUNK, dim)
     n_blocks = triton.cdiv(ring.width + (topk.shape[1] if has_pool else 0), BLOCK_ENTRIES)
     rows = batch * seq
-    logits = torch.empty(rows, heads, max(n_blocks, 1) * BLOCK_ENTRIES, dtype=torch.float32 if acc == tl.float32
-                         else torch.float64, device=q.device)
+    # a long prefill's rows in slices, so that the logits buffer stays within LOGITS_BYTES
+    per_launch = max(1, min(rows, LOGITS_BYTES // (heads * max(n_blocks, 1) * BLOCK_ENTRIES * 4)))
+    logits = torch.empty(per_launch, heads, max(n_blocks, 1) * BLOCK_ENTRIES, dtype=torch.float32
+                         if acc == tl.float32 else torch.float64, device=q.device)
     floor_arg = pos if floor is None else floor.contiguous()
     storage = (ring.codes, ring.scales, ring.positions, pool_codes, pool_scales, topk)
     shapes = (seq, heads, window, ring.width, ring.codes.shape[1], topk.shape[1] if has_pool else 0, n_blocks)
@@ -243,11 +248,13 @@ def stored_attention(q: torch.Tensor, rotation: torch.Tensor, rope_dim: int, pos
                pool_scales.stride(0), topk.stride(0))
     common = dict(D=dim, ROPE=rope_dim, BL=BLOCK_ENTRIES, HAS_FLOOR=floor is not None, ACC=acc, DOT=dot,
                   IEEE=dot != tl.bfloat16)
-    if n_blocks:
-        _attention_logits_kernel[(rows, n_blocks, triton.cdiv(heads, LOGIT_HEADS))](
-            q, rot, logits, pos, floor_arg, *storage, *shapes, softmax_scale, *strides, BH=LOGIT_HEADS, DC=dc,
-            num_warps=LOGIT_WARPS, **common)
-    _attention_output_kernel[(rows, triton.cdiv(heads, BLOCK_HEADS), dim // do)](
-        rot, logits, out, sink, pos, floor_arg, *storage, *shapes, *strides, BH=BLOCK_HEADS, DO=do,
-        ROUND_P=q.dtype == torch.bfloat16, num_warps=OUTPUT_WARPS, **common)
+    for row0 in range(0, rows, per_launch):
+        count = min(per_launch, rows - row0)
+        if n_blocks:
+            _attention_logits_kernel[(count, n_blocks, triton.cdiv(heads, LOGIT_HEADS))](
+                q, rot, logits, pos, floor_arg, *storage, *shapes, softmax_scale, *strides, row0, BH=LOGIT_HEADS,
+                DC=dc, num_warps=LOGIT_WARPS, **common)
+        _attention_output_kernel[(count, triton.cdiv(heads, BLOCK_HEADS), dim // do)](
+            rot, logits, out, sink, pos, floor_arg, *storage, *shapes, *strides, row0, BH=BLOCK_HEADS, DO=do,
+            ROUND_P=q.dtype == torch.bfloat16, num_warps=OUTPUT_WARPS, **common)
     return out
