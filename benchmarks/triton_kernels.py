@@ -1,7 +1,8 @@
 """Times the Triton kernels at the released widths against the HBM roofline, the FP8 tensor-core peak, torch's
 bf16 matmul and the fp32 emulation (one H200; CUDA graphs, rotating weight copies so the L2 cannot hold them).
 
-    python benchmarks/triton_kernels.py [--out DIR]      # writes DIR/kernels.txt (default: $OUT or .)
+    python benchmarks/triton_kernels.py [--out DIR] [--only moe moe_prefill ...]  # writes DIR/kernels.txt
+                                                                                  # (default: $OUT or .)
 """
 
 from __future__ import annotations
@@ -158,8 +159,8 @@ def bench_moe():
             modes.append(("fp4 fp8-dot", fp4, 3 * inter * d * (0.5 + 1 / 32)))
         for mode, stacks, per_expert in modes:
             calls = [lambda r=r, st=stacks, mode=mode: grouped_moe(
-                tokens, r, weights, *st, limit=10.0, fp8_experts=mode == "fp8re", fp8_dot="fp8-dot" in mode)
-                for r in routes]
+                tokens, r, weights, *st, limit=10.0, fp8_experts=mode == "fp8re", fp8_dot="fp8-dot" in mode,
+                grouped_gemm=False) for r in routes]  # the grouped GEMM reads counts back: no graph
             results[mode] = (graph_ms(calls), touched * per_expert)
         extra = ", ".join(f"{m} {ms * 1e3:.1f} us ({b / HBM * 1e6:.1f} roof)" for m, (ms, b) in results.items()
                           if m != "fp4")
@@ -171,6 +172,40 @@ def bench_moe():
                 extra += f", {mode} {ms * 1e3:.0f} us"
         ms, nbytes = results["fp4"]
         row("grouped_moe fp4", t, ms, nbytes + 2 * t * d * 2, 2 * t * k * 3 * inter * d, extra)
+
+
+def event_ms(fn, repeats: int = 3) -> float:
+    """Median ms of `fn` timed with CUDA events after one warm-up call (work that reads back: no graph)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def bench_moe_prefill():
+    header("Grouped MoE prefill, 384 experts, top-6, FP4 (effective TFLOP/s: 2 x tokens x 6 x 3 x 2304 x 5120 "
+           "over the time): torch's grouped GEMM over bf16 copies of the experts, the FP4 tiles")
+    e, d, inter, k = 384, 5120, 2304, 6
+    stacks = []
+    for shape in ((inter, d), (inter, d), (d, inter)):
+        w, sc = random_fp4(shape, 1, e)
+        stacks += [w[0], sc[0]]
+    for t in (4096, 16384):
+        tokens = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+        route = torch.rand(t, e, device="cuda").topk(k, dim=-1).indices
+        weights = torch.rand(t, k, device="cuda")
+        flops = 2 * t * k * 3 * inter * d
+        for name, flag in (("grouped GEMM", True), ("FP4 tiles", False)):
+            torch.cuda.reset_peak_memory_stats()
+            ms = event_ms(lambda: grouped_moe(tokens, route, weights, *stacks, limit=10.0, grouped_gemm=flag))
+            log(f"  T={t:>6} {name:<13} {ms:9.2f} ms  {flops / ms / 1e9:6.0f} TFLOP/s  "
+                f"peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
 
 
 def check_moe_fp8_dot():
@@ -201,9 +236,12 @@ def check_moe_fp8_dot():
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    benches = {"moe_fp8_dot": check_moe_fp8_dot, "linears": bench_linears, "fp4_linears": bench_fp4_linears,
+               "moe": bench_moe, "moe_prefill": bench_moe_prefill}
+    parser.add_argument("--only", nargs="+", choices=sorted(benches), default=sorted(benches))
     args = parser.parse_args()
     log(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {__import__('triton').__version__}")
-    for bench in (check_moe_fp8_dot, bench_linears, bench_fp4_linears, bench_moe):
+    for bench in (benches[name] for name in args.only):
         try:
             bench()
         except Exception:  # keep the other tables when one fails

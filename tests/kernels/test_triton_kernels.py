@@ -389,6 +389,31 @@ def test_grouped_moe_matches_emulation(quantized, fp8_dot, f16_slices, dtype):
         assert _rel(out8, ref) < 2e-3
 
 
+def test_grouped_moe_through_the_grouped_gemm_matches_emulation(monkeypatch):
+    """A prefill's packed FP4 experts on a Hopper: bf16 copies of the experts and torch's grouped GEMM (forced
+    here; the CPU runs torch's own grouped GEMM), in groups of experts, one of them without rows: the emulation's
+    numbers up to fp32 summation order, the shared expert added in the last launch."""
+    from modeling_deepseek_v41.kernels.triton import moe_grouped_gemm
+
+    n_experts, d, inter, top_k, t = 6, 64, 96, 3, 11
+    monkeypatch.setattr(moe_grouped_gemm, "GROUP_BYTES", 2 * 3 * inter * d * 2)  # two experts per group
+    stacks = _experts(n_experts, d, inter, True, seed=30)
+    tokens = _randn(t, d, seed=33, dtype=torch.bfloat16)
+    experts, weights = _routing(t, n_experts - 1, top_k, seed=34)
+    experts = torch.where(experts >= 4, experts + 1, experts)  # expert 4 gets no row
+    shared = _randn(t, d, seed=35, dtype=torch.bfloat16)
+    out = grouped_moe(tokens, experts, weights, *stacks, limit=0.5, grouped_gemm=True)
+    assert out.dtype == torch.float32 and out.shape == (t, d)
+    assert _rel(out, _emulated_moe(tokens, experts, weights, stacks, limit=0.5)) < 2e-3
+    with_shared = grouped_moe(tokens, experts, weights, *stacks, limit=0.5, grouped_gemm=True, shared=shared)
+    assert torch.equal(with_shared, (out + shared.float()).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="grouped_gemm takes packed FP4 experts and bf16 tokens"):
+        grouped_moe(tokens.float(), experts, weights, *stacks, limit=0.5, grouped_gemm=True)
+    w1, s1 = stacks[:2]
+    assert torch.equal(moe_grouped_gemm.fp4_to_bf16(w1, s1).cpu(),
+                       numerics.dequantize_fp4_weight(w1.cpu(), s1.cpu()).to(torch.bfloat16))
+
+
 @pytest.mark.parametrize("quantized,rows", [(True, None), (True, False), (False, None)])
 def test_grouped_moe_split_k_sums_in_one_launch(quantized, rows):
     """K split across programs (the decode regime's split, forced small here): the last program of each tile adds
@@ -527,6 +552,17 @@ def test_cuda_grouped_moe_released_shapes(t):
     assert _rel(grouped_moe(tokens, experts, weights, *stacks, limit=10.0, f16_slices=True), ref) < 5e-3
     assert _rel(grouped_moe(tokens, experts, weights, *stacks, limit=10.0, f16_slices=False), ref) < 5e-3
     assert _rel(grouped_moe(tokens, experts, weights, *stacks, limit=10.0, fp8_dot=True), ref) < 5e-3
+
+
+@cuda_only
+def test_cuda_grouped_gemm_moe_released_shapes():
+    """A prefill's 384 experts through torch's grouped GEMM (in groups of experts) give the FP4 tiles' numbers up to
+    fp32 summation order (the tiles are checked against the emulation above)."""
+    stacks = _released_experts(384, seed=45)
+    tokens = _randn(1024, 5120, seed=46, dtype=torch.bfloat16)
+    experts, weights = _routing(1024, 384, 6, seed=47)
+    out = grouped_moe(tokens, experts, weights, *stacks, limit=10.0, grouped_gemm=True)
+    assert _rel(out, grouped_moe(tokens, experts, weights, *stacks, limit=10.0, grouped_gemm=False)) < 2e-3
 
 
 @cuda_only

@@ -7,8 +7,9 @@ up rounded to the activation dtype, clamped, h = route_weight * (silu(gate) * up
 activation dtype, FP8 QDQ of h (quantized experts), w2 rounded to the activation dtype, then each token's k
 contributions summed in fp32 in ascending expert order.
 
-Two formulations of the up and down projections: tensor-core tiles of BM rows (here; prefill, dense and FP8
-experts) and, for packed FP4 experts at decode sizes, one row at a time on the CUDA cores (moe_rows.py).
+Three formulations of the up and down projections: tensor-core tiles of BM rows (here; dense and FP8 experts, and
+packed FP4 ones where the next two do not apply), for packed FP4 experts at decode sizes one row at a time on the
+CUDA cores (moe_rows.py), and for their prefills torch's grouped GEMM over bf16 copies (moe_grouped_gemm.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import triton.language as tl
 from .common import (FMT_DENSE, FMT_FP4_ROW, FMT_FP8_ROW, arrive_last, cast, dot_k_range, fp4_f16_dot_k_range,
                      sum_partials)
 from .linear import _TL_DTYPES, dot_dtype_for, launch_tile
+from .moe_grouped_gemm import grouped_gemm_moe, grouped_gemm_pays
 from .moe_rows import ROWS_TILE, rows_moe
 from .moe_schedule import moe_schedule
 from .moe_swiglu import swiglu_store
@@ -162,8 +164,8 @@ def grouped_moe(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
                 w1: torch.Tensor, s1: torch.Tensor | None, w3: torch.Tensor, s3: torch.Tensor | None,
                 w2: torch.Tensor, s2: torch.Tensor | None, limit: float, fp8_experts: bool = False,
                 fp8_dot: bool = False, tile: dict | None = None, k_chunks: dict | None = None,
-                f16_slices: bool | None = None, rows: bool | None = None, shared: torch.Tensor | None = None
-                ) -> torch.Tensor:
+                f16_slices: bool | None = None, rows: bool | None = None, shared: torch.Tensor | None = None,
+                grouped_gemm: bool | None = None) -> torch.Tensor:
     """The routed experts' sum [T, D] in fp32; with `shared` (the shared expert's output [T, D]) the MoE's output:
     that sum plus `shared`, in shared's dtype (the reference's order: routed sum, shared expert, cast).
 
@@ -181,6 +183,8 @@ def grouped_moe(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
     f16_slices (default: packed FP4 experts in the rest of the decode regime): the tensor-core tiles with fewer
     operations per weight (common.fp4_f16_dot_k_range: the weights read as int32 words, e4m3 activations and h as
     fp16 values with their scales).
+    grouped_gemm (default: packed FP4 experts and bf16 tokens past the decode regime where moe_grouped_gemm's
+    grouped_gemm_pays): the experts dequantized to bf16 once and torch's grouped GEMM, the same exact numbers.
     `tile`/`k_chunks` override the regime's tiling and decode splits (benchmarks only)."""
     if tokens.dim() != 2 or experts.dim() != 2 or experts.shape[0] != tokens.shape[0]:
         raise ValueError(f"grouped_moe takes tokens [T, D] and experts [T, k]; got {tuple(tokens.shape)} and "
@@ -213,6 +217,16 @@ def grouped_moe(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
         *schedule, order = moe_schedule(experts, n_experts, tile["BM"])
         contributions = rows_moe(tokens.contiguous(), route, schedule, w1, s1, w3, s3, w2, s2, limit, top_k,
                                  ieee=tokens.device.type == "cpu", tile=tile, k_chunks=k_chunks)
+        return _combine(contributions, order, shared)
+    if grouped_gemm is None:
+        grouped_gemm = (not decode and fmt == FMT_FP4_ROW and not fp8_dot and not f16_slices
+                        and grouped_gemm_pays(tokens, t * top_k, n_experts, inter))
+    elif grouped_gemm and (fmt != FMT_FP4_ROW or fp8_dot or f16_slices or tokens.dtype != torch.bfloat16):
+        raise ValueError("grouped_gemm takes packed FP4 experts and bf16 tokens, and excludes fp8_dot and f16_slices")
+    if grouped_gemm:
+        pair_of_row, *_, order = moe_schedule(experts, n_experts, MOE_PREFILL_TILE["BM"])
+        contributions = grouped_gemm_moe(tokens.contiguous(), experts, route, pair_of_row, w1, s1, w3, s3, w2, s2,
+                                         limit)
         return _combine(contributions, order, shared)
     tile = tile or (MOE_DECODE_TILE if decode else MOE_PREFILL_TILE)
     chunks = (k_chunks or MOE_DECODE_K_CHUNK) if decode else {"up": d, "down": inter}
