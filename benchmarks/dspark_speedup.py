@@ -2,7 +2,8 @@
 
 Run: python benchmarks/dspark_speedup.py [--checkpoint DIR] [--device cuda] [--repeats 3] [--text-prompts 8]
 [--pictures 12] (0 skips that row) [--min-accepted 1] (generate()'s dspark_min_accepted; 0 drafts every round)
-Times whole generate() calls (prefill included), synchronised on CUDA, median of `--repeats` after a warm-up, on
+Times whole generate() calls (prefill included), synchronised on CUDA, median of `--repeats` after a warm-up, and
+the same calls for one new token (prefill and first token: the "after the first token" columns subtract them), on
 the Python-documentation text prompts and the held-out picture questions of `training.evaluate`; on CUDA also both
 with `cuda_graphs=True` (the warm-up call records, the timed calls replay). Prints markdown.
 """
@@ -57,6 +58,7 @@ def measure(model, prompts: list[dict], new_tokens: int, repeats: int, graphs: b
     if graphs:
         variants += [("plain_graphs", False, True), ("draft_graphs", True, True)]
     seconds = dict.fromkeys((name for name, _, _ in variants), 0.0)
+    first = dict.fromkeys(seconds, 0.0)  # the prefill and first token alone: what drafting cannot speed up
     tokens = accepted = rounds = recorded = 0.0
     same = True
     for inputs in prompts:
@@ -66,6 +68,7 @@ def measure(model, prompts: list[dict], new_tokens: int, repeats: int, graphs: b
             outputs[name], t, stats = timed_generate(model, inputs, new_tokens, use_dspark, repeats, cuda_graphs,
                                                      min_accepted)
             seconds[name] += t
+            first[name] += timed_generate(model, inputs, 1, use_dspark, repeats, cuda_graphs, min_accepted)[1]
             if name == "draft":
                 accepted += (stats["dspark_mean_accepted_length"] - 1.0) * stats["dspark_rounds"]
                 rounds += stats["dspark_rounds"]
@@ -77,8 +80,13 @@ def measure(model, prompts: list[dict], new_tokens: int, repeats: int, graphs: b
               "mean_accepted_length": 1.0 + accepted / max(rounds, 1), "recorded_in_timed_calls": int(recorded)}
     result.update({f"{name}_tok_s": tokens / t for name, t in seconds.items()})
     result["speedup"] = seconds["plain"] / seconds["draft"]
+    decode = {name: max(seconds[name] - first[name], 1e-9) for name in seconds}  # the tokens after the first
+    result["decode_speedup"] = decode["plain"] / decode["draft"]
     if graphs:
         result["graphs_speedup"] = seconds["plain_graphs"] / seconds["draft_graphs"]
+        result["graphs_decode_speedup"] = decode["plain_graphs"] / decode["draft_graphs"]
+        result["plain_graphs_decode_tok_s"] = (tokens - len(prompts)) / decode["plain_graphs"]
+        result["draft_graphs_decode_tok_s"] = (tokens - len(prompts)) / decode["draft_graphs"]
     return result
 
 
@@ -108,9 +116,10 @@ def main() -> None:
     print(f"checkpoint {args.checkpoint}; {device_name}; torch {torch.__version__}; weight mode "
           f"{model.config.weight_mode}; medians of {args.repeats} after a warm-up")
     graphs = model.device.type == "cuda"
-    header = "| prompts | new tokens | plain tok/s | DSpark tok/s | speed-up |"
+    header = "| prompts | new tokens | plain tok/s | DSpark tok/s | speed-up | after the first token |"
     if graphs:
-        header += " plain, CUDA graphs tok/s | DSpark, CUDA graphs tok/s | speed-up with graphs | graphs recorded in timed calls |"
+        header += (" plain, CUDA graphs tok/s | DSpark, CUDA graphs tok/s | speed-up with graphs | after the first "
+                   "token: plain / DSpark tok/s, speed-up | graphs recorded in timed calls |")
     print(header + " mean accepted length | same tokens |")
     print("|---" * (header.count("|") + 1) + "|")
     with torch.no_grad():
@@ -119,10 +128,11 @@ def main() -> None:
                 continue
             r = measure(model, prompts, new, args.repeats, graphs, args.min_accepted)
             line = (f"| {r['prompts']} {name} | {r['new_tokens']} | {r['plain_tok_s']:.1f} | {r['draft_tok_s']:.1f} | "
-                    f"{r['speedup']:.2f}x |")
+                    f"{r['speedup']:.2f}x | {r['decode_speedup']:.2f}x |")
             if graphs:
                 line += (f" {r['plain_graphs_tok_s']:.1f} | {r['draft_graphs_tok_s']:.1f} | {r['graphs_speedup']:.2f}x | "
-                         f"{r['recorded_in_timed_calls']} |")
+                         f"{r['plain_graphs_decode_tok_s']:.1f} / {r['draft_graphs_decode_tok_s']:.1f}, "
+                         f"{r['graphs_decode_speedup']:.2f}x | {r['recorded_in_timed_calls']} |")
             print(line + f" {r['mean_accepted_length']:.2f} | {r['same_tokens']} |", flush=True)
 
 

@@ -251,7 +251,7 @@ def profile_prefill(model, length: int, mode: str, top: int = 40) -> None:
 def prefill_rows(model, lengths: list[int], modes: list[str], skip: set[tuple[str, int]]) -> list[dict]:
     vocab = model.config.text_config.vocab_size
     rows = []
-    warmup = 1  # the first call compiles the prefill kernels; later lengths reuse them
+    warmed = set()  # the first call of a mode compiles its kernels; later lengths reuse them
     for length in lengths:
         for mode in modes:
             if (mode, length) in skip:
@@ -263,8 +263,8 @@ def prefill_rows(model, lengths: list[int], modes: list[str], skip: set[tuple[st
                 with torch.no_grad():
                     model(ids, cache=DeepseekV41Cache(model.config), prefill_mode=mode, logits_to_keep=1)
             try:
-                ms = timed_ms(run, repeats=1, warmup=warmup)
-                warmup = 0
+                ms = timed_ms(run, repeats=1, warmup=0 if mode in warmed else 1)
+                warmed.add(mode)
             except torch.OutOfMemoryError:
                 row = {"prefill": length, "mode": mode, "result": "out of memory"}
             else:
