@@ -319,9 +319,11 @@ def test_a_long_chunk_attends_through_a_spanning_ring(dtype):
 
 @pytest.mark.slow  # 30 s in the interpreter; test_a_long_chunk_attends_through_a_spanning_ring covers the kernel
 @pytest.mark.skipif(CUDA, reason="the float64 model runs the fused ops in the interpreter")
-def test_long_chunks_through_the_stored_attention_equal_the_exact_prefill(monkeypatch):
+@pytest.mark.parametrize("mode", ["exact", "bounded_replay"])
+def test_long_chunks_through_the_stored_attention_equal_the_exact_prefill(monkeypatch, mode):
     """Prefill chunks longer than a ring holds list their windows from a spanning ring (the ring's earlier entries
-    and the chunk's) into the stored attention: a float64 model's logits equal the exact chunked prefill's."""
+    and the chunk's) into the stored attention: a float64 model's logits equal the exact path's, in one prefill mode
+    and the other (CED's replayed windows start at a floor)."""
     import sys
 
     from model_factory import random_model
@@ -329,16 +331,18 @@ def test_long_chunks_through_the_stored_attention_equal_the_exact_prefill(monkey
 
     model = random_model(dtype=torch.float64, seed=7)
     text = model.config.text_config
-    cut = text.sliding_window + 6  # two chunks longer than a ring of window + 4 slots holds; the second lists the first's
+    cut = text.sliding_window + 6  # two chunks longer than a window + 4 slot ring holds; the second reads the first
     ids = torch.randint(3, text.vocab_size, (1, 2 * cut), generator=torch.Generator().manual_seed(9))
     with torch.no_grad():
         cache = DeepseekV41Cache(model.config, crop_horizon=4)
-        exact = [model(ids[:, :cut], cache=cache).logits, model(ids[:, cut:], cache=cache).logits]
+        exact = [model(ids[:, :cut], cache=cache, prefill_mode=mode).logits,
+                 model(ids[:, cut:], cache=cache, prefill_mode=mode).logits]
         for name in ("kernels.sparse_attention", "cache.ring", "cache.cache_store"):
             monkeypatch.setattr(sys.modules[f"modeling_deepseek_v41.{name}"], "kernel_path",
                                 lambda x: not torch.is_grad_enabled() and x.numel() > 0)
         cache = DeepseekV41Cache(model.config, crop_horizon=4)
-        fused = [model(ids[:, :cut], cache=cache).logits, model(ids[:, cut:], cache=cache).logits]
+        fused = [model(ids[:, :cut], cache=cache, prefill_mode=mode).logits,
+                 model(ids[:, cut:], cache=cache, prefill_mode=mode).logits]
     assert not any(ring.holds_chunk(cut, text.sliding_window) for ring in cache.rings.values())
     for got, ref in zip(fused, exact):
         assert _rel(got, ref) <= EXACT
