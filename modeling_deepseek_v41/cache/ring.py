@@ -127,7 +127,7 @@ class RingWindow:
     """A layer's window on a cache for the queries of one chunk, once the chunk is written: each query's entries
     listed from the chunk and from `ring`, the ring as it was before the chunk (a copy, when the chunk overwrote
     slots its queries list). `stored`, for a decode-sized chunk, is the written ring itself, which then holds
-    every entry (the fused decode attention reads it)."""
+    every entry (the fused attention reads it); on CUDA a longer chunk's is its spanning ring (`Ring.spanning`)."""
 
     def __init__(self, ring: Ring, chunk_kv: torch.Tensor, positions: torch.Tensor, window: int,
                  floor: torch.Tensor | None, chunk_start: torch.Tensor, widest: int,

@@ -59,7 +59,7 @@ class PoolView(Protocol):
 class WindowView(Protocol):
     """A layer's sliding window for the queries of one chunk, after the chunk's KV was written."""
 
-    stored: StoredWindow | None  # the ring holding every entry (a decode-sized chunk on a cache), else None
+    stored: StoredWindow | None  # a ring holding every entry (a cache's, or on CUDA a long chunk's spanning one)
 
     def entries(self, queries: slice) -> tuple[torch.Tensor, torch.Tensor]:
         """Window entries [B, q, L, hd] (oldest first) and validity [B, q, L] of the chunk's queries `queries`."""
