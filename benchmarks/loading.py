@@ -7,9 +7,10 @@ Writes a random checkpoint in the hub layout whose layers have the released shap
 the drafter's experts cut), its tensors drawn on `--device` and written in shards of `--shard-gb`. Then, each time
 after dropping the checkpoint's files from the page cache (posix_fadvise DONTNEED after a sync): the disk's
 sequential read rate of the shards, and `AutoModelForCausalLM.from_pretrained(folder, device_map=device)` in a
-fresh process (wall seconds, GB/s, peak host RSS); and the same load once more with the files cached. The released
-checkpoint's load time is estimated from the cold rate and its size (the hub config's tensors). `--tiny` keeps
-the schedule and the 384 experts at the tiny preset's widths: a quick run on a CPU.
+fresh process (wall seconds, GB/s, peak host RSS, seconds per step of the loading pipeline); and the same load once
+more with the files cached. The released checkpoint's load time is estimated from the cold rate and its size (the
+hub config's tensors). `--tiny` keeps the schedule and the 384 experts at the tiny preset's widths: a quick run
+on a CPU.
 """
 
 from __future__ import annotations
@@ -136,7 +137,22 @@ import json, resource, sys, time
 import torch
 sys.path.insert(0, {root!r})
 import modeling_deepseek_v41  # noqa: F401
+from modeling_deepseek_v41.loading import pipeline
 from transformers import AutoModelForCausalLM
+steps = {{}}
+
+
+def timed(step):
+    def run(request):
+        begin = time.perf_counter()
+        step(request)
+        if {device!r}.startswith("cuda"):
+            torch.cuda.synchronize()
+        steps[step.__name__] = round(time.perf_counter() - begin, 3)
+    return run
+
+
+pipeline.STEPS = tuple(timed(step) for step in pipeline.STEPS)  # where the seconds go: transformers' load or ours
 start = time.perf_counter()
 model = AutoModelForCausalLM.from_pretrained({folder!r}, device_map={device!r})
 if {device!r}.startswith("cuda"):
@@ -144,7 +160,8 @@ if {device!r}.startswith("cuda"):
 seconds = time.perf_counter() - start
 on_device = sum(p.numel() * p.element_size() for p in model.parameters())
 print(json.dumps({{"seconds": seconds, "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-                  "parameter_gb": on_device / 1e9, "device": str(next(model.parameters()).device)}}))
+                  "parameter_gb": on_device / 1e9, "device": str(next(model.parameters()).device),
+                  "steps_s": steps}}))
 """
 
 
@@ -195,7 +212,7 @@ def main() -> None:
                 "load_warm_s": warm["seconds"], "load_warm_gb_s": nbytes / warm["seconds"] / 1e9,
                 "cold_over_disk": nbytes / cold["seconds"] / 1e9 / row["disk_read_gb_s"],
                 "peak_host_rss_gb": cold["peak_rss_gb"], "loaded_parameter_gb": cold["parameter_gb"],
-                "loaded_on": cold["device"]})
+                "loaded_on": cold["device"], "cold_steps_s": cold["steps_s"], "warm_steps_s": warm["steps_s"]})
     released = released_bytes()
     row["released_checkpoint_gb"] = released / 1e9
     row["released_load_estimate_s"] = released / (row["load_cold_gb_s"] * 1e9)
