@@ -12,6 +12,7 @@ the step's tokens can select, min(E, B*k) per layer) over `--bandwidth` (H200: 4
 Run (one weight mode per process; the bf16 mode needs about 3.5x the memory):
     python benchmarks/realwidth.py --mode quantized
     python benchmarks/realwidth.py --mode bf16 --skip-prefill 65536
+    python benchmarks/realwidth.py --batches --no-dspark --prefill --agent-turn 65536 1024   # an agent's next turn
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import statistics
 import sys
 import time
@@ -248,6 +250,56 @@ def profile_prefill(model, length: int, mode: str, top: int = 40) -> None:
                       "launches": sum(e.count for e in kernels)}), flush=True)
 
 
+def agent_turn(model, prefix: int, new: int, folder: Path) -> dict:
+    """An agent's next turn: `prefix` tokens saved as a persistent prefix cache (prefilled in bounded_replay), then
+    the time to the first token of `new` more tokens from the file (dropped from the page cache first: the read
+    is the disk's) against a cold bounded_replay prefill of all prefix + new tokens. Medians of 2 after a warm-up."""
+    vocab = model.config.text_config.vocab_size
+    ids = torch.randint(3, vocab, (1, prefix + new), device=model.device)
+    path = folder / "agent-prefix.cache"
+    with torch.no_grad():
+        cache = DeepseekV41Cache(model.config)
+        for start in range(0, prefix, 8192):
+            model(ids[:, start:min(start + 8192, prefix)], cache=cache, logits_to_keep=1,
+                  prefill_mode="bounded_replay")
+        cache.save(path, model)
+    del cache
+
+    def synchronize():
+        if model.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def restored_turn():
+        os.sync()
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the next read is the disk's
+        finally:
+            os.close(fd)
+        synchronize()
+        begin = time.perf_counter()
+        with torch.no_grad():
+            restored = DeepseekV41Cache.load(path, model)
+            model(ids[:, prefix:], cache=restored, logits_to_keep=1).logits.argmax(-1).tolist()
+        return time.perf_counter() - begin
+
+    def cold_turn():
+        synchronize()
+        begin = time.perf_counter()
+        with torch.no_grad():
+            model(ids, cache=DeepseekV41Cache(model.config), logits_to_keep=1,
+                  prefill_mode="bounded_replay").logits.argmax(-1).tolist()
+        return time.perf_counter() - begin
+    row = {"agent_turn_prefix": prefix, "new_tokens": new, "file_gb": path.stat().st_size / 1e9}
+    for name, turn in (("restored_first_token_s", restored_turn), ("cold_first_token_s", cold_turn)):
+        turn()
+        row[name] = statistics.median(turn() for _ in range(2))
+    row["cold_over_restored"] = row["cold_first_token_s"] / row["restored_first_token_s"]
+    path.unlink()
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def prefill_rows(model, lengths: list[int], modes: list[str], skip: set[tuple[str, int]]) -> list[dict]:
     vocab = model.config.text_config.vocab_size
     rows = []
@@ -296,6 +348,9 @@ def main() -> None:
     parser.add_argument("--profile-draft", action="store_true", help="also profile the drafter's replayed forward")
     parser.add_argument("--profile-prefill", type=int, default=0, metavar="TOKENS",
                         help="also profile one exact prefill of this many tokens, by kernel and by source line")
+    parser.add_argument("--agent-turn", type=int, nargs=2, metavar=("PREFIX", "NEW"),
+                        help="also time an agent turn: PREFIX tokens restored from a saved prefix cache + NEW tokens")
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp"), help="where --agent-turn writes its cache")
     parser.add_argument("--bandwidth", type=float, default=4.8e12)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -317,6 +372,8 @@ def main() -> None:
         profile_decode(model, args.context, draft=True)
     if args.profile_prefill:
         profile_prefill(model, args.profile_prefill, "exact")
+    if args.agent_turn:
+        agent_turn(model, *args.agent_turn, args.workdir)
     skip = {("exact", n) for n in args.skip_prefill}
     prefill_rows(model, args.prefill, args.prefill_modes, skip)
 
