@@ -19,6 +19,7 @@ from modeling_deepseek_v41.kernels.expert_ops import gathered_swiglu
 from modeling_deepseek_v41.kernels.triton import (dense_linear, fp4_linear, fp4_to_fp8_weight, fp8_linear,
                                                   fp8_row_linear, grouped_moe)
 from modeling_deepseek_v41.layers.linear import DeepseekV41Linear
+from realwidth import timed_ms
 
 HBM = 4.8e12  # bytes/s, H200 datasheet
 FP8_PEAK = 1979e12  # dense FP8 FLOP/s, H100/H200 SXM datasheet
@@ -174,20 +175,6 @@ def bench_moe():
         row("grouped_moe fp4", t, ms, nbytes + 2 * t * d * 2, 2 * t * k * 3 * inter * d, extra)
 
 
-def event_ms(fn, repeats: int = 3) -> float:
-    """Median ms of `fn` timed with CUDA events after one warm-up call (work that reads back: no graph)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
 def bench_moe_prefill():
     header("Grouped MoE prefill, 384 experts, top-6, FP4 (effective TFLOP/s: 2 x tokens x 6 x 3 x 2304 x 5120 "
            "over the time): torch's grouped GEMM over bf16 copies of the experts, the FP4 tiles")
@@ -203,7 +190,8 @@ def bench_moe_prefill():
         flops = 2 * t * k * 3 * inter * d
         for name, flag in (("grouped GEMM", True), ("FP4 tiles", False)):
             torch.cuda.reset_peak_memory_stats()
-            ms = event_ms(lambda: grouped_moe(tokens, route, weights, *stacks, limit=10.0, grouped_gemm=flag))
+            ms = timed_ms(lambda: grouped_moe(tokens, route, weights, *stacks, limit=10.0, grouped_gemm=flag),
+                          repeats=3, warmup=1)  # events, no graph: the grouped GEMM reads counts back
             log(f"  T={t:>6} {name:<13} {ms:9.2f} ms  {flops / ms / 1e9:6.0f} TFLOP/s  "
                 f"peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
 
