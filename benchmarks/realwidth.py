@@ -20,9 +20,10 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -32,6 +33,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from loading import drop_cached  # noqa: E402
 from modeling_deepseek_v41 import DeepseekV41Config, DeepseekV41ForCausalLM  # noqa: E402
 from modeling_deepseek_v41.cache import DeepseekV41Cache  # noqa: E402
 from modeling_deepseek_v41.layers.engram_hashing import engram_table_rows  # noqa: E402
@@ -256,6 +258,7 @@ def agent_turn(model, prefix: int, new: int, folder: Path) -> dict:
     is the disk's) against a cold bounded_replay prefill of all prefix + new tokens. Medians of 2 after a warm-up."""
     vocab = model.config.text_config.vocab_size
     ids = torch.randint(3, vocab, (1, prefix + new), device=model.device)
+    folder = Path(tempfile.mkdtemp(dir=folder))
     path = folder / "agent-prefix.cache"
     with torch.no_grad():
         cache = DeepseekV41Cache(model.config)
@@ -270,12 +273,7 @@ def agent_turn(model, prefix: int, new: int, folder: Path) -> dict:
             torch.cuda.synchronize()
 
     def restored_turn():
-        os.sync()
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the next read is the disk's
-        finally:
-            os.close(fd)
+        drop_cached(folder)  # the next read is the disk's
         synchronize()
         begin = time.perf_counter()
         with torch.no_grad():
@@ -295,7 +293,7 @@ def agent_turn(model, prefix: int, new: int, folder: Path) -> dict:
         turn()
         row[name] = statistics.median(turn() for _ in range(2))
     row["cold_over_restored"] = row["cold_first_token_s"] / row["restored_first_token_s"]
-    path.unlink()
+    shutil.rmtree(folder)
     print(json.dumps(row), flush=True)
     return row
 

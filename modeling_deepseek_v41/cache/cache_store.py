@@ -76,11 +76,11 @@ class CacheStore:
         ring = self.cache.rings[layer_id]
         widest = ring.width(size, self.chunk_max_length)
         if ring.holds_chunk(kv.shape[1], size):
-            listed = ring
+            listed = fused = ring
         elif kernel_path(kv):  # the fused attention lists a long chunk's windows from one ring wide enough
-            listed = ring.spanning(kv, positions, self.chunk_start)
+            listed = fused = ring.spanning(kv, positions, self.chunk_start)
         else:  # a longer chunk overwrites slots its first queries list: they read a copy of the ring as it was
-            listed = ring.snapshot()
+            listed, fused = ring.snapshot(), None
         ring.write(kv, positions)
-        stored = None if listed is not ring and not kernel_path(kv) else listed.stored(widest)
+        stored = fused.stored(widest) if fused is not None else None
         return RingWindow(listed, kv, positions, size, floor, self.chunk_start, widest, stored)

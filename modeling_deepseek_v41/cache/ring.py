@@ -51,7 +51,7 @@ class Ring:
         """A ring of size + S slots holding this ring's entries before `chunk_start` [B] and the chunk's KV
         [B,S,hd] at `positions`: every window a query of a long chunk lists, in one ring (the fused attention's)."""
         batch, seq, dim = chunk_kv.shape
-        held = self.rows.gather(torch.arange(self.size, device=chunk_kv.device).expand(batch, -1), chunk_kv.dtype)
+        held = self.rows.read(self.size, chunk_kv.dtype)
         earlier = torch.where(self.positions < chunk_start.view(-1, 1), self.positions, -1)  # a replay's: the chunk's
         wide = Ring(self.size + seq, dim, batch, chunk_kv.device)
         wide.write(torch.cat([held, chunk_kv], dim=1), torch.cat([earlier, positions], dim=1))

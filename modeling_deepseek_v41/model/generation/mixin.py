@@ -57,8 +57,7 @@ class DeepseekV41GenerationMixin(GenerationMixin):
     def generate(self, *args, generation_stats: dict | None = None, cuda_graphs: bool = False, **kwargs):
         """transformers' generate(), plus DSpark speculative decoding: `use_dspark=True` (a generation-config
         field, also settable in generation_config.json), `dspark_confidence_threshold` and `dspark_min_accepted`
-        (see DSparkCandidateGenerator). `cuda_graphs=True`
-        replays the decode steps from CUDA graphs (greedy or sampling, batch of any size, on a CUDA device; with
+        (see DSparkCandidateGenerator). `cuda_graphs=True` replays the decode steps from CUDA graphs (greedy or sampling, batch of any size, on a CUDA device; with
         DSpark its drafts and verify steps too; not with beam search), kept in `model.decode_graphs` for later
         calls. Pass a dict as `generation_stats` to get the call's measured
         speed, cache size and draft acceptance in it. `cache_implementation`: None or "dynamic" (the model's own
