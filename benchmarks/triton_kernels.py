@@ -84,10 +84,11 @@ def row(name, m, ms, nbytes, flops, extra=""):
         f"{max(roof, peak) / ms * 100:>6.0f}% {flops / ms / 1e9:>8.1f}  {extra}")
 
 
-def header(title):
+def header(title, columns=True):
     log()
     log(title)
-    log(f"{'kernel':<26} {'rows':>5} {'us':>9} {'GB/s':>8} {'roof us':>8} {'floor%':>7} {'TFLOP/s':>8}  vs")
+    if columns:
+        log(f"{'kernel':<26} {'rows':>5} {'us':>9} {'GB/s':>8} {'roof us':>8} {'floor%':>7} {'TFLOP/s':>8}  vs")
 
 
 def bench_linears():
@@ -177,13 +178,18 @@ def bench_moe():
 
 def bench_moe_prefill():
     header("Grouped MoE prefill, 384 experts, top-6, FP4 (effective TFLOP/s: 2 x tokens x 6 x 3 x 2304 x 5120 "
-           "over the time): torch's grouped GEMM over bf16 copies of the experts, the FP4 tiles")
+           "over the time): torch's grouped GEMM over bf16 copies of the experts, the FP4 tiles", columns=False)
     e, d, inter, k = 384, 5120, 2304, 6
     stacks = []
     for shape in ((inter, d), (inter, d), (d, inter)):
         w, sc = random_fp4(shape, 1, e)
         stacks += [w[0], sc[0]]
-    for t in (4096, 16384):
+    from modeling_deepseek_v41.kernels.triton.moe_grouped_gemm import fp4_to_bf16
+    for w, sc in zip(stacks[::2], stacks[1::2]):
+        ms = timed_ms(lambda: fp4_to_bf16(w, sc), repeats=3, warmup=1)
+        moved = w.numel() + sc.numel() + 2 * w.numel() * 2  # FP4 and scales read, bf16 written
+        log(f"  fp4_to_bf16 {tuple(w.shape)}: {ms:.2f} ms, {moved / ms / 1e9:.2f} TB/s")
+    for t in (2048, 4096, 16384):
         tokens = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
         route = torch.rand(t, e, device="cuda").topk(k, dim=-1).indices
         weights = torch.rand(t, k, device="cuda")

@@ -220,7 +220,7 @@ def grouped_moe(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
         return _combine(contributions, order, shared)
     if grouped_gemm is None:
         grouped_gemm = (not decode and fmt == FMT_FP4_ROW and not fp8_dot and not f16_slices
-                        and grouped_gemm_pays(tokens, t * top_k, n_experts, inter))
+                        and grouped_gemm_pays(tokens, t * top_k, n_experts))
     elif grouped_gemm and (fmt != FMT_FP4_ROW or fp8_dot or f16_slices or tokens.dtype != torch.bfloat16):
         raise ValueError("grouped_gemm takes packed FP4 experts and bf16 tokens, and excludes fp8_dot and f16_slices")
     if grouped_gemm:
