@@ -138,10 +138,19 @@ def _stored_case(dtype: torch.dtype, batch: int, seq: int, heads: int, dim: int,
 BF16_ATTENTION = 1e-4 if DEVICE == "cpu" else 4e-3  # CUDA: bf16 tensor-core dots, not yet measured tighter
 
 
+@pytest.fixture(params=["decode", "prefill"])
+def launch(request, monkeypatch):
+    """The stored attention's tiling: the decode regime's or the prefill regime's (every head in one program of the
+    second launch), whatever the call's row count."""
+    from modeling_deepseek_v41.kernels.triton import attention
+    monkeypatch.setattr(attention, "PREFILL_MIN_ROWS", 1 if request.param == "prefill" else 1 << 62)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("start", [5, 150])  # a ring still filling, and one that wrapped
 @pytest.mark.parametrize("window,width", [(96, 96), (128, 41)])  # blocks where the window ends and the pool begins
-def test_stored_attention_computes_the_exact_attention(dtype, start, window, width):
+def test_stored_attention_computes_the_exact_attention(dtype, start, window, width, launch):
     q, rotation, positions, ring, pool, selected, sink = _stored_case(
         dtype, batch=2, seq=2, heads=3, dim=128, window=window, slots=192, pool_rows=100, topk=70, start=start)
     ring = ring._replace(width=width)  # a growing cache lists min(window, its length) entries
@@ -157,7 +166,7 @@ def test_stored_attention_computes_the_exact_attention(dtype, start, window, wid
 
 
 @pytest.mark.parametrize("dtype", DTYPES[:1])
-def test_stored_attention_without_a_pool_and_a_short_listing(dtype):
+def test_stored_attention_without_a_pool_and_a_short_listing(dtype, launch):
     q, rotation, positions, ring, pool, selected, sink = _stored_case(
         dtype, batch=1, seq=1, heads=17, dim=64, window=128, slots=192, pool_rows=8, topk=4, start=40)
     ring = ring._replace(width=41)  # a growing cache lists min(window, its length) entries
@@ -274,7 +283,7 @@ def test_static_decode_steps_with_the_fused_ops_equal_the_exact_steps(monkeypatc
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_a_long_chunk_attends_through_a_spanning_ring(dtype):
+def test_a_long_chunk_attends_through_a_spanning_ring(dtype, launch):
     """A prefill chunk longer than its ring holds lists its windows from a spanning ring (the ring's earlier
     entries and the chunk's, `Ring.spanning`): the stored attention over it equals the exact attention over the
     entries listed from the chunk and the ring as before (`Ring.list_entries`); on a GPU at the released widths."""
