@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from ..kernels.fp4_rows import fp4_qdq, fp4_quantize_rows
+from ..kernels.index_scores import index_scores
 from ..kernels.numerics import INDEX_BLOCK
 from ..kernels.sparse_attention import candidate_mask, candidate_positions, select_candidate_blocks, stable_topk_indices
 from .kv_store import PoolView
@@ -68,7 +69,7 @@ class DeepseekV41Indexer(nn.Module):
                 selections.append(self._select_in_candidates(
                     q[:, queries], weights[:, queries], keys, visible[:, queries], share.candidates[:, queries], k))
                 continue
-            scores = self._scores(q[:, queries], weights[:, queries], keys, visible[:, queries])
+            scores = index_scores(q[:, queries], weights[:, queries], keys, visible[:, queries])
             if self.spec.is_candidate_source:
                 candidates.append(select_candidate_blocks(scores, visible[:, queries], self.candidate_blocks,
                                                           self.candidate_block_size))
@@ -85,14 +86,6 @@ class DeepseekV41Indexer(nn.Module):
             if self.spec.is_candidate_source:
                 share.candidate_history[self.spec.layer_id] = share.candidates
         return torch.cat(selections, dim=1)
-
-    def _scores(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor
-                ) -> torch.Tensor:
-        """bf16 index scores [B,q,N] of every pool row, -inf where not yet visible."""
-        scores = torch.einsum("bshd,btd->bsht", q, keys.to(q.dtype))
-        scores = (scores.relu() * weights.unsqueeze(-1)).sum(dim=2)
-        row_ids = torch.arange(keys.shape[1], device=q.device)
-        return scores.masked_fill(row_ids >= visible.unsqueeze(-1), -torch.inf)
 
     def _candidates_cover_topk(self) -> bool:
         """Whether every query always has at least top-k reachable candidates once it has top-k visible rows, so
