@@ -138,12 +138,13 @@ def _stored_case(dtype: torch.dtype, batch: int, seq: int, heads: int, dim: int,
 BF16_ATTENTION = 1e-4 if DEVICE == "cpu" else 4e-3  # CUDA: bf16 tensor-core dots, not yet measured tighter
 
 
-@pytest.fixture(params=["decode", "prefill"])
+@pytest.fixture(params=["decode", "prefill", "prefill_tables"])
 def launch(request, monkeypatch):
-    """The stored attention's tiling: the decode regime's or the prefill regime's (every head in one program of the
-    second launch), whatever the call's row count."""
+    """The stored attention's regime whatever the call's row count: the decode tiles, the prefill tiles (every head
+    in one program of the second launch), or those reading the ring and pool as dequantized tables."""
     from modeling_deepseek_v41.kernels.triton import attention
-    monkeypatch.setattr(attention, "PREFILL_MIN_ROWS", 1 if request.param == "prefill" else 1 << 62)
+    monkeypatch.setattr(attention, "PREFILL_MIN_ROWS", 1 << 62 if request.param == "decode" else 1)
+    monkeypatch.setattr(attention, "PREFILL_TABLES", request.param == "prefill_tables")
     return request.param
 
 
@@ -163,6 +164,25 @@ def test_stored_attention_computes_the_exact_attention(dtype, start, window, wid
                                dev(selected), dev(sink), 0.09)
     assert _rel(out, ref) <= (EXACT if dtype == torch.float64 else BF16_ATTENTION)
     assert (out[0, 0].abs().max() == 0) == (positions[0, 0] < 0)
+
+
+def test_prefill_tables_read_the_same_entries_bit_for_bit(monkeypatch):
+    """The prefill regime's dequantized tables hold exactly the values the packed reads unpack: the same output bit
+    for bit (so the choice between them is one of speed only)."""
+    from modeling_deepseek_v41.kernels.triton import attention
+    q, rotation, positions, ring, pool, selected, sink = _stored_case(
+        torch.bfloat16, batch=2, seq=3, heads=3, dim=128, window=96, slots=192, pool_rows=100, topk=70, start=150)
+    args = [t.to(DEVICE) for t in (q, rotation)] + [16, positions.to(DEVICE), None, 96,
+                                                    StoredWindow(*(t.to(DEVICE) for t in ring[:3]), ring.width),
+                                                    StoredPool(*(t.to(DEVICE) for t in pool)), selected.to(DEVICE),
+                                                    sink.to(DEVICE), 0.09]
+    monkeypatch.setattr(attention, "PREFILL_MIN_ROWS", 1)
+    outputs = []
+    for tables in (False, True):
+        monkeypatch.setattr(attention, "PREFILL_TABLES", tables)
+        with torch.no_grad():
+            outputs.append(stored_attention(*args))
+    assert torch.equal(*outputs)
 
 
 @pytest.mark.parametrize("dtype", DTYPES[:1])

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..numerics import fp4_dequantize_rows, fp8_dequantize_rows
 from .common import cast, e2m1_value, reduce_max, reduce_sum
 
 BLOCK_HEADS = 16
@@ -22,6 +23,9 @@ BLOCK_HEADS = 16
 # output chunk (H200, a 4K prefill's 40 launches: 386 -> 173 ms); decode keeps the tiles it was tuned with
 PREFILL_MIN_ROWS = 64
 PREFILL_BLOCK_HEADS, PREFILL_OUTPUT_WARPS = 64, 8
+# prefill-sized calls may read the ring and pool as tables dequantized once per call (the same values, so the same
+# result bit for bit): most of either launch's instructions unpack entries; off until timed on the GPU
+PREFILL_TABLES = False
 BLOCK_ENTRIES = 64  # the reference kernel's softmax block
 LOGIT_HEADS = 64  # phase 1: heads per program, so each block of entries is dequantized once per row for them all
 QK_CHUNK = 128  # head dims per logit dot
@@ -129,10 +133,26 @@ def _block_entries(j, lane, r, b, p, lowest, lowest_visible, width, ring_size, n
 
 
 @triton.jit
+def _table_chunk(table_ptr, index, valid, c0, D: tl.constexpr, DC: tl.constexpr, DOT: tl.constexpr):
+    """Dims c0 .. c0+DC of a dequantized table's rows `index` [BL] (zero where not valid)."""
+    values = tl.load(table_ptr + index[:, None] * D + c0 + tl.arange(0, DC)[None, :], mask=valid[:, None], other=0.0)
+    return values.to(DOT)
+
+
+@triton.jit
 def _entry_chunk(j, width, slot, window_ok, row, pool_ok, ring_codes, ring_scales, pool_codes, pool_scales, c0,
-                 D: tl.constexpr, BL: tl.constexpr, DC: tl.constexpr, DOT: tl.constexpr):
-    """Dims c0 .. c0+DC of block j's entries [BL, DC] (zero where not valid), from the ring, the pool or both."""
-    if (j + 1) * BL <= width:
+                 D: tl.constexpr, BL: tl.constexpr, DC: tl.constexpr, DOT: tl.constexpr, TABLES: tl.constexpr):
+    """Dims c0 .. c0+DC of block j's entries [BL, DC] (zero where not valid), from the ring, the pool or both
+    (TABLES: ring_codes and pool_codes are their rows dequantized, [slots, D] and [rows, D] in DOT)."""
+    if TABLES:
+        if (j + 1) * BL <= width:
+            e = _table_chunk(ring_codes, slot, window_ok, c0, D, DC, DOT)
+        elif j * BL >= width:
+            e = _table_chunk(pool_codes, row, pool_ok, c0, D, DC, DOT)
+        else:
+            e = _table_chunk(ring_codes, slot, window_ok, c0, D, DC, DOT) + \
+                _table_chunk(pool_codes, row, pool_ok, c0, D, DC, DOT)
+    elif (j + 1) * BL <= width:
         e = _window_chunk(ring_codes, ring_scales, slot, window_ok, c0, D, DC, DOT)
     elif j * BL >= width:
         e = _pool_chunk(pool_codes, pool_scales, row, pool_ok, c0, D, DC, DOT)
@@ -148,7 +168,7 @@ def _attention_logits_kernel(q_ptr, rot_ptr, logits_ptr, pos_ptr, floor_ptr, rin
                              n_topk, n_blocks, softmax_scale, stride_rcb, stride_rsb, stride_rpb, stride_pcb,
                              stride_psb, stride_tr, row0, D: tl.constexpr, ROPE: tl.constexpr, BH: tl.constexpr,
                              BL: tl.constexpr, DC: tl.constexpr, HAS_FLOOR: tl.constexpr, ACC: tl.constexpr,
-                             DOT: tl.constexpr, IEEE: tl.constexpr):
+                             DOT: tl.constexpr, IEEE: tl.constexpr, TABLES: tl.constexpr):
     """Phase 1: block j of row r's entries dequantized once, its masked, scaled logits for BH heads (every dim);
     the logits of rows row0 onward."""
     r = row0 + tl.program_id(0)
@@ -164,7 +184,7 @@ def _attention_logits_kernel(q_ptr, rot_ptr, logits_ptr, pos_ptr, floor_ptr, rin
         q = _query_chunk(q_ptr, rot_ptr, r, heads, h_ok, H, c0, D, ROPE, DC, ACC, DOT)
         e = _entry_chunk(j, width, slot, window_ok, row, pool_ok, ring_codes_ptr + b * stride_rcb,
                          ring_scales_ptr + b * stride_rsb, pool_codes_ptr + b * stride_pcb,
-                         pool_scales_ptr + b * stride_psb, c0, D, BL, DC, DOT)
+                         pool_scales_ptr + b * stride_psb, c0, D, BL, DC, DOT, TABLES)
         logits += _dot(q, tl.trans(e), IEEE)
     logits = tl.where((window_ok | pool_ok)[None, :], logits, -float("inf")) * softmax_scale
     tl.store(logits_ptr + (((r - row0) * H + heads) * n_blocks + j)[:, None] * BL + lane[None, :], logits,
@@ -177,7 +197,8 @@ def _attention_output_kernel(rot_ptr, logits_ptr, o_ptr, sink_ptr, pos_ptr, floo
                              width, ring_size, n_topk, n_blocks, stride_rcb, stride_rsb, stride_rpb,
                              stride_pcb, stride_psb, stride_tr, row0, D: tl.constexpr, ROPE: tl.constexpr,
                              BH: tl.constexpr, BL: tl.constexpr, DO: tl.constexpr, HAS_FLOOR: tl.constexpr,
-                             ROUND_P: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr):
+                             ROUND_P: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
+                             TABLES: tl.constexpr):
     """Phase 2: the reference's online softmax over the blocks in order (probabilities rounded to bf16 against the
     running max in the numerator, fp32 in the denominator, the sink at the end) for BH heads and DO output dims,
     then the inverse RoPE."""
@@ -198,7 +219,7 @@ def _attention_output_kernel(rot_ptr, logits_ptr, o_ptr, sink_ptr, pos_ptr, floo
                          mask=h_ok[:, None], other=-float("inf"))
         e = _entry_chunk(j, width, slot, window_ok, row, pool_ok, ring_codes_ptr + b * stride_rcb,
                          ring_scales_ptr + b * stride_rsb, pool_codes_ptr + b * stride_pcb,
-                         pool_scales_ptr + b * stride_psb, o0, D, BL, DO, DOT)
+                         pool_scales_ptr + b * stride_psb, o0, D, BL, DO, DOT, TABLES)
         m_new = tl.maximum(m, reduce_max(logits, 1))
         rescale = tl.exp(m - m_new)
         probs = tl.exp(logits - m_new[:, None])
@@ -246,14 +267,22 @@ def stored_attention(q: torch.Tensor, rotation: torch.Tensor, rope_dim: int, pos
     logits = torch.empty(per_launch, heads, max(n_blocks, 1) * BLOCK_ENTRIES, dtype=torch.float32
                          if acc == tl.float32 else torch.float64, device=q.device)
     floor_arg = pos if floor is None else floor.contiguous()
-    storage = (ring.codes, ring.scales, ring.positions, pool_codes, pool_scales, topk)
+    prefill = rows >= PREFILL_MIN_ROWS
+    ring_codes, ring_scales = ring.codes, ring.scales
+    if prefill and PREFILL_TABLES:  # every stored row dequantized once (exact in DOT), not per query and head group
+        table_dtype = {tl.float64: torch.float64, tl.float32: torch.float32, tl.bfloat16: torch.bfloat16}[dot]
+        ring_codes = ring_scales = fp8_dequantize_rows(ring.codes.view(torch.float8_e4m3fn), ring.scales,
+                                                       table_dtype)
+        pool_codes = pool_scales = fp4_dequantize_rows(pool.codes, pool.scales.view(torch.float8_e4m3fn),
+                                                       table_dtype) if has_pool else ring_codes
+    storage = (ring_codes, ring_scales, ring.positions, pool_codes, pool_scales, topk)
     shapes = (seq, heads, window, ring.width, ring.codes.shape[1], topk.shape[1] if has_pool else 0, n_blocks)
-    strides = (ring.codes.stride(0), ring.scales.stride(0), ring.positions.stride(0), pool_codes.stride(0),
+    strides = (ring_codes.stride(0), ring_scales.stride(0), ring.positions.stride(0), pool_codes.stride(0),
                pool_scales.stride(0), topk.stride(0))
     common = dict(D=dim, ROPE=rope_dim, BL=BLOCK_ENTRIES, HAS_FLOOR=floor is not None, ACC=acc, DOT=dot,
-                  IEEE=dot != tl.bfloat16)
-    block_heads, output_warps = (BLOCK_HEADS, OUTPUT_WARPS) if rows < PREFILL_MIN_ROWS else \
-        (PREFILL_BLOCK_HEADS, PREFILL_OUTPUT_WARPS)
+                  IEEE=dot != tl.bfloat16, TABLES=prefill and PREFILL_TABLES)
+    block_heads, output_warps = (PREFILL_BLOCK_HEADS, PREFILL_OUTPUT_WARPS) if prefill else \
+        (BLOCK_HEADS, OUTPUT_WARPS)
     for row0 in range(0, rows, per_launch):
         count = min(per_launch, rows - row0)
         if n_blocks:
