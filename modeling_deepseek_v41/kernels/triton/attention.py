@@ -171,7 +171,7 @@ def _attention_logits_kernel(q_ptr, rot_ptr, logits_ptr, pos_ptr, floor_ptr, rin
                              DOT: tl.constexpr, IEEE: tl.constexpr, TABLES: tl.constexpr):
     """Phase 1: block j of row r's entries dequantized once, its masked, scaled logits for BH heads (every dim);
     the logits of rows row0 onward."""
-    r = row0 + tl.program_id(0)
+    r = row0 + tl.program_id(0).to(tl.int64)  # (r * H + head) * D passes 2^31 past 65,536 rows
     j = tl.program_id(1)
     heads = tl.program_id(2) * BH + tl.arange(0, BH)
     h_ok = heads < H
@@ -202,7 +202,7 @@ def _attention_output_kernel(rot_ptr, logits_ptr, o_ptr, sink_ptr, pos_ptr, floo
     """Phase 2: the reference's online softmax over the blocks in order (probabilities rounded to bf16 against the
     running max in the numerator, fp32 in the denominator, the sink at the end) for BH heads and DO output dims,
     then the inverse RoPE."""
-    r = row0 + tl.program_id(0)
+    r = row0 + tl.program_id(0).to(tl.int64)  # (r * H + head) * D passes 2^31 past 65,536 rows
     heads = tl.program_id(1) * BH + tl.arange(0, BH)
     h_ok = heads < H
     o0 = tl.program_id(2) * DO

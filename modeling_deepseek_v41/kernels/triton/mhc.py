@@ -64,7 +64,7 @@ def _hc_partials_kernel(streams_ptr, out_ptr, post_in_ptr, comb_in_ptr, new_ptr,
     comb_in [R, HC, HC] give the streams actually read (new = post_in * out + sum_i comb_in[i] * streams[i], stored
     to new_ptr). weights [R, HC]: this sublayer's read weights (the previous mixes' pre). Stores the split's
     partial projection, RMS statistic and collapse statistic, and x [R, D] = the collapse (normalised later)."""
-    pid_r = tl.program_id(0)
+    pid_r = tl.program_id(0).to(tl.int64)  # a row's streams start past 2^31 elements beyond 104,857 rows
     pid_s = tl.program_id(1)
     rows = pid_r * BR + tl.arange(0, BR)
     row_ok = rows < R
@@ -118,7 +118,7 @@ def _hc_finish_kernel(part_ptr, scale_ptr, base_ptr, norm_ptr, pre_ptr, post_ptr
                       MIXP: tl.constexpr, ACC: tl.constexpr):
     """One row x one column chunk: the split partials summed (one fixed-shape reduction, so a row's result never
     depends on the row count), the collapse normalised; chunk 0 also runs the Sinkhorn and writes the mixes."""
-    r = tl.program_id(0)
+    r = tl.program_id(0).to(tl.int64)
     pid_d = tl.program_id(1)
     stride = MIXP + 2
     s = tl.arange(0, SP)
@@ -188,7 +188,7 @@ def hc_step(streams: torch.Tensor, read_weights: torch.Tensor, fn: torch.Tensor,
 def _hc_expand_kernel(streams_ptr, out_ptr, post_ptr, comb_ptr, new_ptr, R, D, BD: tl.constexpr, HC: tl.constexpr,
                       ACC: tl.constexpr):
     """new[r, c] = post[r, c] * out[r] + sum_i comb[r, i, c] * streams[r, i], rounded to the streams' dtype."""
-    r = tl.program_id(0)
+    r = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BD + tl.arange(0, BD)
     ok = d < D
     sub = tl.load(out_ptr + r * D + d, mask=ok, other=0.0).to(ACC)

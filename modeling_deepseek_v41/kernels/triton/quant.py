@@ -131,7 +131,9 @@ def _fp4_rows_kernel(x_ptr, out_ptr, scale_ptr, n_groups, BLOCK: tl.constexpr, G
                  mask=live[:, None])
         tl.store(scale_ptr + g, scale, mask=live)
     else:
-        values = e2m1_value(code) * scale[:, None]
+        values = e2m1_value(code & 7) * scale[:, None]
+        # the sign set as a bit, so -0.0 survives whatever the compiler makes of negating a zero (it did not on sm90)
+        values = (values.to(tl.int32, bitcast=True) | ((code & 8) << 28)).to(tl.float32, bitcast=True)
         tl.store(out_ptr + g[:, None] * BLOCK + lane[None, :], cast(values, out_ptr.dtype.element_ty),
                  mask=live[:, None])
 
