@@ -64,6 +64,6 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, vis
     grid = (triton.cdiv(seq, BLOCK_QUERIES), triton.cdiv(n, BLOCK_KEYS), batch)
     _index_scores_kernel[grid](q, weights, keys, visible, out, seq, n, heads, q.stride(0), q.stride(1),
                                weights.stride(0), keys.stride(0), visible.stride(0), out.stride(0), HD=dim,
-                               BS=BLOCK_QUERIES, BT=BLOCK_KEYS, ACC=acc, IEEE=q.device.type == "cpu" or
-                               acc == tl.float64, num_warps=INDEX_WARPS)
+                               BS=BLOCK_QUERIES, BT=BLOCK_KEYS, ACC=acc, num_warps=INDEX_WARPS,
+                               IEEE=q.device.type == "cpu" or q.dtype in (torch.float32, torch.float64))  # no TF32
     return out
