@@ -16,8 +16,9 @@ from functools import lru_cache
 
 import torch
 
+from ..kernels.byte_sums import weighted_byte_sums
+
 HASH_CHUNK = 1 << 14  # bytes per weighted sum: 255 * 2**20 * 2**14 < 2**53, so every float64 sum is exact
-BLOCK_ROWS = 256  # chunks widened to float64 at once (32 MiB of temporaries)
 _COEFFICIENT_RANGE = 2**20
 
 # the fields that shape the cache's tensors: a cache must agree on them with the model that uses it
@@ -49,21 +50,11 @@ _NOT_FEEDING_THE_POOLS = re.compile(r"^(?:model\.)?(?:norm|head|lm_head|mtp|dspa
 def _coefficients(device: torch.device) -> torch.Tensor:
     """Distinct non-zero per-byte weights, so any single changed byte changes its chunk's sum."""
     index = torch.arange(1, HASH_CHUNK + 1, dtype=torch.int64)
-    return ((index * 2654435761) % (_COEFFICIENT_RANGE - 1) + 1).to(device, torch.float64)
+    return ((index * 2654435761) % (_COEFFICIENT_RANGE - 1) + 1).to(device, torch.int32)
 
 
-def _chunk_sums(tensor: torch.Tensor) -> torch.Tensor:
-    """Weighted byte sums of `tensor`, one per HASH_CHUNK bytes, computed where the tensor lives. Every partial sum
-    is an integer below 2**53, so the float64 result is exact whatever the summation order or device."""
-    data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-    coefficients = _coefficients(data.device)
-    whole = data.numel() - data.numel() % HASH_CHUNK
-    rows = data[:whole].view(-1, HASH_CHUNK)
-    sums = [rows[start:start + BLOCK_ROWS].to(torch.float64) @ coefficients
-            for start in range(0, rows.shape[0], BLOCK_ROWS)]
-    tail = data[whole:]
-    sums.append((tail.to(torch.float64) @ coefficients[: tail.numel()]).reshape(1))
-    return torch.cat(sums)
+def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 def kv_producing_parameters(model) -> list[tuple[str, torch.Tensor]]:
@@ -100,11 +91,12 @@ def weights_digest(model, method: str | None = None) -> str:
         return f"sha256:{digest.hexdigest()}"
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for _, parameter in present:
-        by_device.setdefault(parameter.device, []).append(_chunk_sums(parameter))
-    host = {device: iter(torch.cat(sums).cpu().split([s.numel() for s in sums]))
-            for device, sums in by_device.items()}
-    for _, parameter in present:  # in name order, whatever the placement
-        digest.update(next(host[parameter.device]).numpy().tobytes())
+        by_device.setdefault(parameter.device, []).append(_flat_bytes(parameter))
+    # per tensor: its whole chunks' sums and the remainder's (see kernels.byte_sums), one call per device
+    host = {device: iter(weighted_byte_sums(flat, _coefficients(device)).cpu().split(
+        [n.numel() // HASH_CHUNK + 1 for n in flat])) for device, flat in by_device.items()}
+    ordered = [next(host[parameter.device]) for _, parameter in present]  # in name order, whatever the placement
+    digest.update(memoryview(torch.cat(ordered).numpy()) if ordered else b"")
     return f"chunk-sums:{digest.hexdigest()}"
 
 

@@ -138,12 +138,14 @@ def _stored_case(dtype: torch.dtype, batch: int, seq: int, heads: int, dim: int,
 BF16_ATTENTION = 1e-4 if DEVICE == "cpu" else 4e-3  # CUDA: bf16 tensor-core dots, not yet measured tighter
 
 
-@pytest.fixture(params=["decode", "prefill", "prefill_tables"])
+@pytest.fixture(params=["decode", "decode_split", "prefill", "prefill_tables"])
 def launch(request, monkeypatch):
-    """The stored attention's regime whatever the call's row count: the decode tiles, the prefill tiles (every head
-    in one program of the second launch), or those reading the ring and pool as dequantized tables."""
+    """The stored attention's regime whatever the call's row count: the decode tiles (the first launch's blocks
+    whole or split in 16-entry programs), the prefill tiles (every head in one program of the second launch), or
+    those reading the ring and pool as dequantized tables."""
     from modeling_deepseek_v41.kernels.triton import attention
-    monkeypatch.setattr(attention, "PREFILL_MIN_ROWS", 1 << 62 if request.param == "decode" else 1)
+    monkeypatch.setattr(attention, "PREFILL_MIN_ROWS", 1 << 62 if request.param.startswith("decode") else 1)
+    monkeypatch.setattr(attention, "LOGIT_ENTRIES", 16 if request.param == "decode_split" else 64)
     monkeypatch.setattr(attention, "PREFILL_TABLES", request.param == "prefill_tables")
     return request.param
 

@@ -23,11 +23,13 @@ BLOCK_HEADS = 16
 # output chunk (H200, a 4K prefill's 40 launches: 386 -> 173 ms); decode keeps the tiles it was tuned with
 PREFILL_MIN_ROWS = 64
 PREFILL_BLOCK_HEADS, PREFILL_OUTPUT_WARPS = 64, 8
-# prefill-sized calls may read the ring and pool as tables dequantized once per call (the same values, so the same
-# result bit for bit): most of either launch's instructions unpack entries; off until timed on the GPU
-PREFILL_TABLES = False
+# prefill-sized calls read the ring and pool as tables dequantized once per call (the same values, so the same
+# result bit for bit), not each entry per query (H200, 16K exact prefill: 3,256 -> 2,851 ms)
+PREFILL_TABLES = True
 BLOCK_ENTRIES = 64  # the reference kernel's softmax block
 LOGIT_HEADS = 64  # phase 1: heads per program, so each block of entries is dequantized once per row for them all
+# phase 1: entries per program (a divisor of the block), so a decode row's few blocks still spread over the SMs
+LOGIT_ENTRIES, PREFILL_LOGIT_ENTRIES = 64, 64
 QK_CHUNK = 128  # head dims per logit dot
 OUT_CHUNK = 64  # phase 2: output dims per program
 LOGIT_WARPS, OUTPUT_WARPS = 8, 4
@@ -114,13 +116,13 @@ def _query_row(r, S, pos_ptr, floor_ptr, window, HAS_FLOOR: tl.constexpr):
 
 @triton.jit
 def _block_entries(j, lane, r, b, p, lowest, lowest_visible, width, ring_size, n_topk, ring_pos_ptr, topk_ptr,
-                   stride_rpb, stride_tr, HAS_FLOOR: tl.constexpr):
-    """Block j of the row's entry list in the reference's order (its softmax blocks): `width` window entries
-    first, oldest first, from the ring (an empty or overwritten slot holds another position), then the selected
-    pool rows in selection order (-1: none); a block may hold both. Returns (ring slot, window entry valid, pool
-    row, pool entry valid), each [BL]; each source keeps its own mask (Triton 3.6 fails on one mask shared by
-    the ring's and the pool's loads)."""
-    k = j * lane.shape[0] + lane
+                   stride_rpb, stride_tr, BL: tl.constexpr, HAS_FLOOR: tl.constexpr):
+    """Entries `lane` (of 0 .. BL-1) of block j of the row's entry list in the reference's order (its softmax
+    blocks of BL entries): `width` window entries first, oldest first, from the ring (an empty or overwritten slot
+    holds another position), then the selected pool rows in selection order (-1: none); a block may hold both.
+    Returns (ring slot, window entry valid, pool row, pool entry valid), each shaped like lane; each source keeps
+    its own mask (Triton 3.6 fails on one mask shared by the ring's and the pool's loads)."""
+    k = j * BL + lane
     listed = lowest + k
     slot = listed % ring_size
     window_ok = (k < width) & (listed <= p)  # listed >= 0: a padded query lists nothing
@@ -167,19 +169,20 @@ def _attention_logits_kernel(q_ptr, rot_ptr, logits_ptr, pos_ptr, floor_ptr, rin
                              ring_pos_ptr, pool_codes_ptr, pool_scales_ptr, topk_ptr, S, H, window, width, ring_size,
                              n_topk, n_blocks, softmax_scale, stride_rcb, stride_rsb, stride_rpb, stride_pcb,
                              stride_psb, stride_tr, row0, D: tl.constexpr, ROPE: tl.constexpr, BH: tl.constexpr,
-                             BL: tl.constexpr, DC: tl.constexpr, HAS_FLOOR: tl.constexpr, ACC: tl.constexpr,
-                             DOT: tl.constexpr, IEEE: tl.constexpr, TABLES: tl.constexpr):
-    """Phase 1: block j of row r's entries dequantized once, its masked, scaled logits for BH heads (every dim);
-    the logits of rows row0 onward."""
+                             BL: tl.constexpr, LE: tl.constexpr, DC: tl.constexpr, HAS_FLOOR: tl.constexpr,
+                             ACC: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, TABLES: tl.constexpr):
+    """Phase 1: LE entries of block j of row r's entries dequantized once, their masked, scaled logits for BH heads
+    (every dim); the logits of rows row0 onward."""
     r = row0 + tl.program_id(0).to(tl.int64)  # (r * H + head) * D passes 2^31 past 65,536 rows
-    j = tl.program_id(1)
+    j = tl.program_id(1) // (BL // LE)
     heads = tl.program_id(2) * BH + tl.arange(0, BH)
     h_ok = heads < H
     b, p, lowest, lowest_visible = _query_row(r, S, pos_ptr, floor_ptr, window, HAS_FLOOR)
-    lane = tl.arange(0, BL)
+    lane = tl.program_id(1) % (BL // LE) * LE + tl.arange(0, LE)
     slot, window_ok, row, pool_ok = _block_entries(j, lane, r, b, p, lowest, lowest_visible, width, ring_size,
-                                                   n_topk, ring_pos_ptr, topk_ptr, stride_rpb, stride_tr, HAS_FLOOR)
-    logits = tl.full([BH, BL], 0.0, ACC)
+                                                   n_topk, ring_pos_ptr, topk_ptr, stride_rpb, stride_tr, BL,
+                                                   HAS_FLOOR)
+    logits = tl.full([BH, LE], 0.0, ACC)
     for c0 in tl.static_range(0, D, DC):
         q = _query_chunk(q_ptr, rot_ptr, r, heads, h_ok, H, c0, D, ROPE, DC, ACC, DOT)
         e = _entry_chunk(j, width, slot, window_ok, row, pool_ok, ring_codes_ptr + b * stride_rcb,
@@ -214,7 +217,7 @@ def _attention_output_kernel(rot_ptr, logits_ptr, o_ptr, sink_ptr, pos_ptr, floo
     for j in range(0, n_blocks):
         slot, window_ok, row, pool_ok = _block_entries(j, lane, r, b, p, lowest, lowest_visible, width,
                                                        ring_size, n_topk, ring_pos_ptr, topk_ptr, stride_rpb,
-                                                       stride_tr, HAS_FLOOR)
+                                                       stride_tr, BL, HAS_FLOOR)
         logits = tl.load(logits_ptr + (((r - row0) * H + heads) * n_blocks + j)[:, None] * BL + lane[None, :],
                          mask=h_ok[:, None], other=-float("inf"))
         e = _entry_chunk(j, width, slot, window_ok, row, pool_ok, ring_codes_ptr + b * stride_rcb,
@@ -283,12 +286,13 @@ def stored_attention(q: torch.Tensor, rotation: torch.Tensor, rope_dim: int, pos
                   IEEE=dot != tl.bfloat16, TABLES=prefill and PREFILL_TABLES)
     block_heads, output_warps = (PREFILL_BLOCK_HEADS, PREFILL_OUTPUT_WARPS) if prefill else \
         (BLOCK_HEADS, OUTPUT_WARPS)
+    entries = PREFILL_LOGIT_ENTRIES if prefill else LOGIT_ENTRIES
     for row0 in range(0, rows, per_launch):
         count = min(per_launch, rows - row0)
         if n_blocks:
-            _attention_logits_kernel[(count, n_blocks, triton.cdiv(heads, LOGIT_HEADS))](
+            _attention_logits_kernel[(count, n_blocks * (BLOCK_ENTRIES // entries), triton.cdiv(heads, LOGIT_HEADS))](
                 q, rot, logits, pos, floor_arg, *storage, *shapes, softmax_scale, *strides, row0, BH=LOGIT_HEADS,
-                DC=dc, num_warps=LOGIT_WARPS, **common)
+                LE=entries, DC=dc, num_warps=LOGIT_WARPS, **common)
         _attention_output_kernel[(count, triton.cdiv(heads, block_heads), dim // do)](
             rot, logits, out, sink, pos, floor_arg, *storage, *shapes, *strides, row0, BH=block_heads, DO=do,
             ROUND_P=q.dtype == torch.bfloat16, num_warps=output_warps, **common)
