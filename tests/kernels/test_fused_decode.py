@@ -9,6 +9,7 @@ compiled.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -145,7 +146,8 @@ def launch(request, monkeypatch):
     those reading the ring and pool as dequantized tables."""
     from modeling_deepseek_v41.kernels.triton import attention
     monkeypatch.setattr(attention, "PREFILL_MIN_ROWS", 1 << 62 if request.param.startswith("decode") else 1)
-    monkeypatch.setattr(attention, "LOGIT_ENTRIES", 16 if request.param == "decode_split" else 64)
+    monkeypatch.setattr(attention, "DECODE_TILES", dataclasses.replace(
+        attention.DECODE_TILES, logit_entries=16 if request.param == "decode_split" else 64))
     monkeypatch.setattr(attention, "PREFILL_TABLES", request.param == "prefill_tables")
     return request.param
 

@@ -11,6 +11,8 @@ in bf16, so only the fp32 summation order differs).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -18,21 +20,31 @@ import triton.language as tl
 from ..numerics import fp4_dequantize_rows, fp8_dequantize_rows
 from .common import cast, e2m1_value, reduce_max, reduce_sum
 
-BLOCK_HEADS = 16
-# prefill-sized calls: phase 2 with every head per program, so each block of entries is dequantized once per row and
-# output chunk (H200, a 4K prefill's 40 launches: 386 -> 173 ms); decode keeps the tiles it was tuned with
+
+@dataclass(frozen=True)
+class Tiles:
+    """One regime's launch shapes."""
+    logit_entries: int  # phase 1: entries per program (a divisor of BLOCK_ENTRIES)
+    qk_chunk: int  # phase 1: head dims per logit dot
+    logit_warps: int
+    block_heads: int  # phase 2: heads per program
+    out_chunk: int  # phase 2: output dims per program
+    output_warps: int
+
+
+BLOCK_ENTRIES = 64  # the reference kernel's softmax block
+LOGIT_HEADS = 64  # phase 1: heads per program, so each entry is dequantized once per row for them all
+# decode (H200, one row at 4K: 61.7 -> 33.9 us for a pair of layers): a row's ten blocks of entries split over 40
+# programs, phase 2 in narrow slices of heads and output dims
+DECODE_TILES = Tiles(logit_entries=16, qk_chunk=256, logit_warps=8, block_heads=8, out_chunk=32, output_warps=4)
+# prefill-sized calls: phase 2 with every head and 256 output dims per program, so each block of entries is read
+# once per row and half the dims (H200, a pair of a 4K prefill's layers: 11.9 ms at 64 dims, 7.6 at 256 with
+# phase 1 in 4 warps)
 PREFILL_MIN_ROWS = 64
-PREFILL_BLOCK_HEADS, PREFILL_OUTPUT_WARPS = 64, 8
+PREFILL_TILES = Tiles(logit_entries=64, qk_chunk=128, logit_warps=4, block_heads=64, out_chunk=256, output_warps=8)
 # prefill-sized calls read the ring and pool as tables dequantized once per call (the same values, so the same
 # result bit for bit), not each entry per query (H200, 16K exact prefill: 3,256 -> 2,851 ms)
 PREFILL_TABLES = True
-BLOCK_ENTRIES = 64  # the reference kernel's softmax block
-LOGIT_HEADS = 64  # phase 1: heads per program, so each block of entries is dequantized once per row for them all
-# phase 1: entries per program (a divisor of the block), so a decode row's few blocks still spread over the SMs
-LOGIT_ENTRIES, PREFILL_LOGIT_ENTRIES = 64, 64
-QK_CHUNK = 128  # head dims per logit dot
-OUT_CHUNK = 64  # phase 2: output dims per program
-LOGIT_WARPS, OUTPUT_WARPS = 8, 4
 LOGITS_BYTES = 1 << 28  # the most a launch's logits take (a long prefill runs its rows in slices)
 
 
@@ -262,7 +274,6 @@ def stored_attention(q: torch.Tensor, rotation: torch.Tensor, rope_dim: int, pos
             raise ValueError("the ring and pool rows must be contiguous within each batch row")
     acc = tl.float64 if q.dtype == torch.float64 else tl.float32
     dot = tl.float64 if q.dtype == torch.float64 else tl.float32 if q.device.type == "cpu" else tl.bfloat16
-    dc, do = min(QK_CHUNK, dim), min(OUT_CHUNK, dim)
     n_blocks = triton.cdiv(ring.width + (topk.shape[1] if has_pool else 0), BLOCK_ENTRIES)
     rows = batch * seq
     # a long prefill's rows in slices, so that the logits buffer stays within LOGITS_BYTES
@@ -271,6 +282,8 @@ def stored_attention(q: torch.Tensor, rotation: torch.Tensor, rope_dim: int, pos
                          if acc == tl.float32 else torch.float64, device=q.device)
     floor_arg = pos if floor is None else floor.contiguous()
     prefill = rows >= PREFILL_MIN_ROWS
+    tiles = PREFILL_TILES if prefill else DECODE_TILES
+    dc, do = min(tiles.qk_chunk, dim), min(tiles.out_chunk, dim)
     ring_codes, ring_scales = ring.codes, ring.scales
     if prefill and PREFILL_TABLES:  # every stored row dequantized once (exact in DOT), not per query and head group
         table_dtype = {tl.float64: torch.float64, tl.float32: torch.float32, tl.bfloat16: torch.bfloat16}[dot]
@@ -284,16 +297,14 @@ def stored_attention(q: torch.Tensor, rotation: torch.Tensor, rope_dim: int, pos
                pool_scales.stride(0), topk.stride(0))
     common = dict(D=dim, ROPE=rope_dim, BL=BLOCK_ENTRIES, HAS_FLOOR=floor is not None, ACC=acc, DOT=dot,
                   IEEE=dot != tl.bfloat16, TABLES=prefill and PREFILL_TABLES)
-    block_heads, output_warps = (PREFILL_BLOCK_HEADS, PREFILL_OUTPUT_WARPS) if prefill else \
-        (BLOCK_HEADS, OUTPUT_WARPS)
-    entries = PREFILL_LOGIT_ENTRIES if prefill else LOGIT_ENTRIES
     for row0 in range(0, rows, per_launch):
         count = min(per_launch, rows - row0)
         if n_blocks:
-            _attention_logits_kernel[(count, n_blocks * (BLOCK_ENTRIES // entries), triton.cdiv(heads, LOGIT_HEADS))](
+            grid = (count, n_blocks * (BLOCK_ENTRIES // tiles.logit_entries), triton.cdiv(heads, LOGIT_HEADS))
+            _attention_logits_kernel[grid](
                 q, rot, logits, pos, floor_arg, *storage, *shapes, softmax_scale, *strides, row0, BH=LOGIT_HEADS,
-                LE=entries, DC=dc, num_warps=LOGIT_WARPS, **common)
-        _attention_output_kernel[(count, triton.cdiv(heads, block_heads), dim // do)](
-            rot, logits, out, sink, pos, floor_arg, *storage, *shapes, *strides, row0, BH=block_heads, DO=do,
-            ROUND_P=q.dtype == torch.bfloat16, num_warps=output_warps, **common)
+                LE=tiles.logit_entries, DC=dc, num_warps=tiles.logit_warps, **common)
+        _attention_output_kernel[(count, triton.cdiv(heads, tiles.block_heads), dim // do)](
+            rot, logits, out, sink, pos, floor_arg, *storage, *shapes, *strides, row0, BH=tiles.block_heads, DO=do,
+            ROUND_P=q.dtype == torch.bfloat16, num_warps=tiles.output_warps, **common)
     return out
