@@ -142,7 +142,7 @@ def _combine_kernel(c_ptr, order_ptr, shared_ptr, y_ptr, D, top_k, stride_cm, st
                     BLOCK: tl.constexpr, SHARED: tl.constexpr):
     """y[t] = sum over the token's contributions in ascending expert order (fp32, starting from zero); SHARED: plus
     the shared expert's output, rounded to y's dtype (the reference's order: routed sum, shared, cast)."""
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < D
     acc = tl.full([BLOCK], 0.0, tl.float32)

@@ -21,7 +21,7 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, n_groups, groups_per_row, stride_xm, 
     values (exact in bf16) to q; otherwise the e4m3 values to q (in q's dtype: e4m3, or fp16, which holds them
     exactly) and fp32 scales to s. NIBBLE_MAJOR (QDQ): column c of a row stored at (c % 8) * K/8 + c // 8, the
     order in which moe_rows multiplies packed FP4 words."""
-    g = tl.program_id(0) * GROUPS + tl.arange(0, GROUPS)
+    g = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)  # rows x K passes 2^31 past 64K tokens
     valid = g < n_groups
     row = g // groups_per_row
     col0 = (g % groups_per_row) * 32
@@ -82,7 +82,7 @@ def fp8_act_quant(x: torch.Tensor, values_dtype: torch.dtype = torch.float8_e4m3
 
 @triton.jit
 def _fp4_to_fp8_kernel(p_ptr, q_ptr, n_bytes, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_bytes
     byte = tl.load(p_ptr + offs, mask=mask, other=0).to(tl.int32)
     tl.store(q_ptr + 2 * offs, e2m1_value(byte & 15).to(tl.float8e4nv), mask=mask)
@@ -108,7 +108,7 @@ def _fp4_rows_kernel(x_ptr, out_ptr, scale_ptr, n_groups, BLOCK: tl.constexpr, G
     packed e2m1 bytes to out, the fp32 scales to scale_ptr) of GROUPS groups of BLOCK consecutive values. Scale:
     E4M3 of amax / 6 (division correctly rounded, as the CPU's) or the E8M0 power of two 2^ceil(log2(amax / 6));
     codes rounded to nearest even on the e2m1 grid (ties at 0.75, 1.75, 3.5 go up, the others down)."""
-    g = tl.program_id(0) * GROUPS + tl.arange(0, GROUPS)
+    g = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)  # rows x K passes 2^31 past 64K tokens
     live = g < n_groups
     lane = tl.arange(0, BLOCK)
     x = tl.load(x_ptr + g[:, None] * BLOCK + lane[None, :], mask=live[:, None], other=0.0).to(tl.float32)

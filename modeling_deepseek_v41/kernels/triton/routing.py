@@ -25,7 +25,7 @@ def _route_kernel(logits_ptr, bias_ptr, vision_bias_ptr, image_ptr, weights_ptr,
                   ACC: tl.constexpr):
     """One token: scores = sqrt(softplus(logits)); the top_k of scores + bias (bias_vl on image tokens), ties to
     the lower expert id, in descending order; their unbiased scores, normalised, times route_scale."""
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK)
     ok = e < E
     scores = tl.sqrt(_softplus(tl.load(logits_ptr + t * E + e, mask=ok, other=0.0).to(ACC)))
@@ -71,7 +71,7 @@ def route(logits: torch.Tensor, bias: torch.Tensor, vision_bias: torch.Tensor | 
 def _swiglu_kernel(gate_ptr, up_ptr, w_ptr, out_ptr, N, limit, BLOCK: tl.constexpr, HAS_LIMIT: tl.constexpr,
                    HAS_WEIGHTS: tl.constexpr, ACC: tl.constexpr):
     """out = [w *] silu(min(gate, limit)) * clamp(up, -limit, limit) in ACC, rounded to out's dtype."""
-    r = tl.program_id(0)
+    r = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = n < N
     gate = tl.load(gate_ptr + r * N + n, mask=ok, other=0.0).to(ACC)

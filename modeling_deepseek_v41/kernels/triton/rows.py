@@ -14,7 +14,7 @@ from .common import abs_max, cast, pow2_ceil_scale, reduce_sum, round_e4m3
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, eps, stride_x, stride_o, BLOCK: tl.constexpr, ACC: tl.constexpr):
     """out = w * (x * rsqrt(mean(x^2) + eps)) in ACC, rounded to out's dtype; one row per program."""
-    r = tl.program_id(0)
+    r = tl.program_id(0).to(tl.int64)  # rows x width pass 2^31 in a long prompt
     d = tl.arange(0, BLOCK)
     ok = d < D
     x = tl.load(x_ptr + r * stride_x + d, mask=ok, other=0.0).to(ACC)
@@ -53,7 +53,7 @@ def _qdq_rows(v, BLOCK: tl.constexpr):
 def _window_kv_kernel(x_ptr, w_ptr, rot_ptr, out_ptr, eps, stride_x, D: tl.constexpr, ROPE: tl.constexpr,
                       ACC: tl.constexpr):
     """out = fp8_act_qdq(rope_tail(rms_norm(x))) for one row; every step rounds to out's dtype as the ops do."""
-    r = tl.program_id(0)
+    r = tl.program_id(0).to(tl.int64)  # rows x width pass 2^31 in a long prompt
     HALF: tl.constexpr = D // 2
     c = tl.arange(0, HALF)
     t = tl.arange(0, 2)
@@ -94,7 +94,7 @@ def _ring_write_kernel(v_ptr, codes_ptr, scales_ptr, ring_pos_ptr, pos_ptr, S, s
                        stride_cb, stride_sb, stride_pb, D: tl.constexpr):
     """Encode row (b, s) of already-QDQ'd values as e4m3 codes with E8M0 scales per 32 and store it in ring slot
     position % slots with its position; padding (position < 0) writes nothing."""
-    r = tl.program_id(0)
+    r = tl.program_id(0).to(tl.int64)  # rows x width pass 2^31 in a long prompt
     b = r // S
     p = tl.load(pos_ptr + r)
     if p >= 0:
