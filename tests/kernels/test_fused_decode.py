@@ -69,8 +69,20 @@ def _on_device(*tensors):
     return [t.to(DEVICE) for t in tensors]
 
 
+@pytest.fixture(params=["decode", "decode_split_dot", "prefill", "prefill_wide"])
+def hc_regime(request, monkeypatch):
+    """hc_step's tiles whatever the call's row count: decode's (the projection as one fp32 dot or three bf16 ones),
+    prefill's, or prefill's with wider column splits."""
+    from modeling_deepseek_v41.kernels.triton import mhc as hc_kernels
+    if request.param.startswith("prefill"):
+        monkeypatch.setattr(hc_kernels, "DECODE_ROWS", 0)
+    monkeypatch.setattr(hc_kernels, "PREFILL_BLOCK_D", 64 if request.param == "prefill_wide" else 32)
+    monkeypatch.setattr(hc_kernels, "SPLIT_DOT", request.param == "decode_split_dot")
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_hc_step_computes_the_exact_mhc_math(dtype):
+def test_hc_step_computes_the_exact_mhc_math(dtype, hc_regime):
     streams, read, mix, norm, output, written = _hc_case(dtype, rows=3, dim=256)
     with torch.no_grad():
         new_ref = mhc.hc_expand(output, streams, written.post, written.comb)
@@ -96,7 +108,7 @@ def test_hc_step_computes_the_exact_mhc_math(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES[:1])
-def test_hc_read_without_expansion_and_with_rows_past_a_block(dtype):
+def test_hc_read_without_expansion_and_with_rows_past_a_block(dtype, hc_regime):
     streams, read, mix, norm, _, _ = _hc_case(dtype, rows=19, dim=200, seed=1)
     with torch.no_grad():
         mixes_ref, x_ref = mhc.hc_read(streams, read, mix, norm)

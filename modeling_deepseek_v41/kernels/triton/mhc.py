@@ -3,9 +3,10 @@ the next sublayer's mixes (fp32 projection, RMS statistic, Sinkhorn) and its inp
 
 The math is `kernels.mhc`'s exact path, in its order: the expanded streams rounded to the streams' dtype before
 anything reads them, the collapse rounded to it before the norm, the norm's weight applied after the normalisation.
-The projection's 4*D inputs are split over programs (BD columns of each stream per program, a split from D alone,
-so a row's result never depends on the row count); a second launch sums the partials, normalises the collapsed
-rows and runs the Sinkhorn iterations.
+The projection's 4*D inputs are split over programs (BD columns of each stream per program, for decode-sized calls
+a split from D alone, so a row's result never depends on the row count); a second launch sums the partials,
+normalises the collapsed rows and runs the Sinkhorn iterations. The fp32 projection of the bf16 streams runs on the
+tensor cores with every product exact (see _split_dot); only the fp32 summation order differs.
 """
 
 from __future__ import annotations
@@ -17,9 +18,13 @@ import triton.language as tl
 from .common import cast, reduce_max, reduce_sum
 
 BLOCK_ROWS = 16  # rows per program (the projection's dot needs 16)
-PREFILL_BLOCK_ROWS = 64  # past DECODE_ROWS (H200, a 4K prefill's 80 launches: 122 -> 74 ms)
 DECODE_ROWS = 256
 BLOCK_D = 32  # columns of each stream per program: 160 programs per row block at D = 5120 (H200, one row: 17 us vs 29 at 128)
+# past DECODE_ROWS: 64 rows x 64 columns per program (H200, 16K rows, split dot: 3.27 ms; 64 x 32: 3.67)
+PREFILL_BLOCK_ROWS, PREFILL_BLOCK_D, PREFILL_WARPS = 64, 64, 4
+# the fp32 projection as three bf16 tensor-core dots with exact products (bf16 streams), not an fp32 dot on the CUDA
+# cores (H200, expand + read: 32.5 -> 18.3 us at one row, 8.4 -> 3.3 ms at 16K rows)
+SPLIT_DOT = True
 MIX_COLUMNS = 32  # the (2 + hc) * hc = 24 mixes, padded; laid out [comb (16) | pre (4) | post (4) | unused]
 NORM_CHUNK = 1024  # columns normalised per program of the second launch
 
@@ -57,9 +62,32 @@ def _sinkhorn(mixes, scale_ptr, base_ptr, iters, eps, BR: tl.constexpr, HC: tl.c
 
 
 @triton.jit
+def _split_dot(a, b, acc, IEEE: tl.constexpr):
+    """acc + a @ b for a [M, K] whose values are exact in bf16 (the streams) and an fp32 b [K, N], every product
+    exact: b == b1 + b2 + b3 exactly for three bf16 parts (each takes the next 8 of fp32's 24 significant bits),
+    a bf16 x bf16 product is exact in fp32, so three tensor-core dots with fp32 accumulation replace one fp32 dot
+    on the CUDA cores (IEEE: the parts' dots in IEEE fp32 instead, as the interpreter needs)."""
+    a16 = a.to(tl.bfloat16)
+    b1 = b.to(tl.bfloat16)
+    rest = b - b1.to(tl.float32)
+    b2 = rest.to(tl.bfloat16)
+    b3 = (rest - b2.to(tl.float32)).to(tl.bfloat16)
+    if IEEE:
+        a32 = a16.to(tl.float32)
+        acc += tl.dot(a32, b3.to(tl.float32), input_precision="ieee")
+        acc += tl.dot(a32, b2.to(tl.float32), input_precision="ieee")
+        acc += tl.dot(a32, b1.to(tl.float32), input_precision="ieee")
+    else:
+        acc = tl.dot(a16, b3, acc)
+        acc = tl.dot(a16, b2, acc)
+        acc = tl.dot(a16, b1, acc)
+    return acc
+
+
+@triton.jit
 def _hc_partials_kernel(streams_ptr, out_ptr, post_in_ptr, comb_in_ptr, new_ptr, weights_ptr, fn_ptr, part_ptr,
                         x_ptr, R, D, BR: tl.constexpr, BD: tl.constexpr, HC: tl.constexpr, MIXP: tl.constexpr,
-                        EXPAND: tl.constexpr, ACC: tl.constexpr, IEEE: tl.constexpr):
+                        EXPAND: tl.constexpr, ACC: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr):
     """One row block x one column split. streams [R, HC, D]; EXPAND: out [R, D], post_in [R, HC],
     comb_in [R, HC, HC] give the streams actually read (new = post_in * out + sum_i comb_in[i] * streams[i], stored
     to new_ptr). weights [R, HC]: this sublayer's read weights (the previous mixes' pre). Stores the split's
@@ -96,7 +124,9 @@ def _hc_partials_kernel(streams_ptr, out_ptr, post_in_ptr, comb_in_ptr, new_ptr,
         else:
             stream = tl.load(streams_ptr + (rows[:, None] * HC + c) * D + d[None, :], mask=mask, other=0.0).to(ACC)
         fn = tl.load(fn_ptr + fn_rows[None, :] * (HC * D) + c * D + d[:, None], mask=fn_ok, other=0.0).to(ACC)
-        if IEEE:
+        if SPLIT:
+            mix = _split_dot(stream, fn, mix, IEEE)
+        elif IEEE:
             mix += tl.dot(stream, fn, input_precision="ieee")
         else:
             mix += tl.dot(stream, fn)
@@ -169,14 +199,17 @@ def hc_step(streams: torch.Tensor, read_weights: torch.Tensor, fn: torch.Tensor,
     post_out = torch.empty(r, hc, dtype=out_dtype, device=streams.device)
     comb_out = torch.empty(r, hc, hc, dtype=out_dtype, device=streams.device)
     x = torch.empty(r, d, dtype=streams.dtype, device=streams.device)
-    splits = triton.cdiv(d, BLOCK_D)
+    block_rows, block_d, warps = (BLOCK_ROWS, BLOCK_D, 4) if r <= DECODE_ROWS else \
+        (PREFILL_BLOCK_ROWS, PREFILL_BLOCK_D, PREFILL_WARPS)
+    splits = triton.cdiv(d, block_d)
     part = torch.empty(splits, r, MIX_COLUMNS + 2, dtype=out_dtype, device=streams.device)
-    ieee = acc == tl.float32 or streams.device.type == "cpu"
-    block_rows = BLOCK_ROWS if r <= DECODE_ROWS else PREFILL_BLOCK_ROWS
+    cpu = streams.device.type == "cpu"
+    split = SPLIT_DOT and acc == tl.float32 and streams.dtype == torch.bfloat16
+    ieee = (acc == tl.float32 or cpu) and (cpu or not split)  # the interpreter's dots in IEEE fp32
     _hc_partials_kernel[(triton.cdiv(r, block_rows), splits)](
         rows, _rows_or(output, rows), _rows_or(post, rows), _rows_or(comb, rows), new,
-        read_weights.reshape(r, hc).contiguous(), fn.contiguous(), part, x, r, d, BR=block_rows, BD=BLOCK_D, HC=hc,
-        MIXP=MIX_COLUMNS, EXPAND=expand, ACC=acc, IEEE=ieee, num_warps=4)
+        read_weights.reshape(r, hc).contiguous(), fn.contiguous(), part, x, r, d, BR=block_rows, BD=block_d, HC=hc,
+        MIXP=MIX_COLUMNS, EXPAND=expand, ACC=acc, IEEE=ieee, SPLIT=split, num_warps=warps)
     _hc_finish_kernel[(r, triton.cdiv(d, NORM_CHUNK))](
         part, scale, base, norm_weight, pre_out, post_out, comb_out, x, r, d, splits, sinkhorn_iters, hc_eps, mix_eps,
         norm_eps, SP=triton.next_power_of_2(splits), BD=NORM_CHUNK, HC=hc, MIXP=MIX_COLUMNS, ACC=acc, num_warps=4)
