@@ -182,6 +182,28 @@ def test_stored_attention_computes_the_exact_attention(dtype, start, window, wid
     assert (out[0, 0].abs().max() == 0) == (positions[0, 0] < 0)
 
 
+@pytest.mark.skipif(not CUDA, reason="bit-for-bit equality across launch shapes is a property of the compiled "
+                    "kernels; the interpreter's dots are numpy's, whose summation order follows the shapes")
+def test_a_decode_row_does_not_depend_on_the_call_rows():
+    """A batch's rows (the wide decode tiles) give each row what a one-row call (the narrow tiles) gives it, bit for
+    bit, at the released head count and width: batched decoding and DSpark's verify stay exactly greedy."""
+    from modeling_deepseek_v41.kernels.triton import attention
+    assert attention.DECODE_TILES.qk_chunk == attention.WIDE_DECODE_TILES.qk_chunk
+    q, rotation, positions, ring, pool, selected, sink = _stored_case(
+        torch.bfloat16, batch=2, seq=attention.WIDE_DECODE_ROWS, heads=64, dim=512, window=128, slots=256,
+        pool_rows=700, topk=512, start=300)
+    dev = lambda t: t.to(DEVICE)  # noqa: E731
+
+    def attend(b, s):
+        with torch.no_grad():
+            return stored_attention(dev(q[b, s]), dev(rotation[b, s]), 16, dev(positions[b, s]), None, 128,
+                                    StoredWindow(*(dev(t[b]) for t in ring[:3]), ring.width),
+                                    StoredPool(*(dev(t[b]) for t in pool)), dev(selected[b, s]), dev(sink), 0.04)
+    batch = attend(slice(None), slice(None))
+    for b, s in ((0, 1), (1, 0), (1, attention.WIDE_DECODE_ROWS - 1)):
+        assert torch.equal(attend(slice(b, b + 1), slice(s, s + 1))[0, 0], batch[b, s])
+
+
 def test_prefill_tables_read_the_same_entries_bit_for_bit(monkeypatch):
     """The prefill regime's dequantized tables hold exactly the values the packed reads unpack: the same output bit
     for bit (so the choice between them is one of speed only)."""
