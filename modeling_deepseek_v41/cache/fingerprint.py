@@ -53,10 +53,6 @@ def _coefficients(device: torch.device) -> torch.Tensor:
     return ((index * 2654435761) % (_COEFFICIENT_RANGE - 1) + 1).to(device, torch.int32)
 
 
-def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
 def kv_producing_parameters(model) -> list[tuple[str, torch.Tensor]]:
     """The parameters whose values reach the stored pools, index keys and carries."""
     text = model.config.get_text_config()
@@ -91,12 +87,16 @@ def weights_digest(model, method: str | None = None) -> str:
         return f"sha256:{digest.hexdigest()}"
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for _, parameter in present:
-        by_device.setdefault(parameter.device, []).append(_flat_bytes(parameter))
+        by_device.setdefault(parameter.device, []).append(
+            parameter if parameter.is_contiguous() else parameter.contiguous())
     # per tensor: its whole chunks' sums and the remainder's (see kernels.byte_sums), one call per device
-    host = {device: iter(weighted_byte_sums(flat, _coefficients(device)).cpu().split(
-        [n.numel() // HASH_CHUNK + 1 for n in flat])) for device, flat in by_device.items()}
-    ordered = [next(host[parameter.device]) for _, parameter in present]  # in name order, whatever the placement
-    digest.update(memoryview(torch.cat(ordered).numpy()) if ordered else b"")
+    sums = {device: weighted_byte_sums(tensors, _coefficients(device)).cpu() for device, tensors in by_device.items()}
+    if len(sums) > 1:  # in name order, whatever the placement
+        pieces = {device: iter(sums[device].split([t.numel() * t.element_size() // HASH_CHUNK + 1 for t in tensors]))
+                  for device, tensors in by_device.items()}
+        sums = {None: torch.cat([next(pieces[parameter.device]) for _, parameter in present])}
+    for ordered in sums.values():
+        digest.update(memoryview(ordered.numpy()))
     return f"chunk-sums:{digest.hexdigest()}"
 
 

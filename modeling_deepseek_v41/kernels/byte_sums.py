@@ -10,8 +10,9 @@ BLOCK_ROWS = 256  # chunks widened to float64 at once on the portable path
 
 
 def weighted_byte_sums(tensors: list[torch.Tensor], coefficients: torch.Tensor) -> torch.Tensor:
-    """For each flat uint8 tensor in turn: sums[c] = sum_i data[c * n + i] * coefficients[i] (n = coefficients'
-    length) per whole chunk, then one sum of the remainder (0 when empty); all concatenated, float64. With integer
+    """For each contiguous tensor in turn, taken as its bytes: sums[c] = sum_i byte[c * n + i] * coefficients[i]
+    (n = coefficients' length) per whole chunk, then one sum of the remainder (0 when empty); all concatenated,
+    float64. With integer
     coefficients below 2^20 and chunks of at most 2^14 bytes every partial sum is an integer below 2^53, so the
     result is exact on any device and in any summation order. On CUDA one launch reads each byte once."""
     if coefficients.is_cuda:
@@ -19,7 +20,8 @@ def weighted_byte_sums(tensors: list[torch.Tensor], coefficients: torch.Tensor) 
     chunk = coefficients.numel()
     weights = coefficients.to(torch.float64)
     sums = []
-    for data in tensors:
+    for tensor in tensors:
+        data = tensor.detach().reshape(-1).view(torch.uint8)
         whole = data.numel() - data.numel() % chunk
         rows = data[:whole].view(-1, chunk)
         sums += [rows[start:start + BLOCK_ROWS].to(torch.float64) @ weights

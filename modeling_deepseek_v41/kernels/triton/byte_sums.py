@@ -45,13 +45,14 @@ def _byte_sums_kernel(address_ptr, length_ptr, first_ptr, coefficient_ptr, out_p
 
 
 def byte_sums(tensors: list[torch.Tensor], coefficients: torch.Tensor) -> torch.Tensor:
-    """float64: for each flat uint8 tensor in turn, one sum per whole chunk and one for the remainder (0 when
-    empty), chunk = coefficients' length (integers below 2^20); all tensors on coefficients' device."""
+    """float64: for each contiguous tensor in turn, taken as its bytes, one sum per whole chunk and one for the
+    remainder (0 when empty), chunk = coefficients' length (integers below 2^20); all tensors on coefficients'
+    device. Reads only their addresses and sizes on the host (no op per tensor)."""
     chunk = coefficients.numel()
     if chunk % BLOCK_BYTES:
         raise ValueError(f"byte_sums needs a chunk that is a multiple of {BLOCK_BYTES} bytes, got {chunk}")
     device = coefficients.device
-    lengths = [t.numel() for t in tensors]
+    lengths = [t.numel() * t.element_size() for t in tensors]
     first = [0]
     for n in lengths:
         first.append(first[-1] + n // chunk + 1)
