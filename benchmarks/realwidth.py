@@ -252,10 +252,11 @@ def profile_prefill(model, length: int, mode: str, top: int = 40) -> None:
                       "launches": sum(e.count for e in kernels)}), flush=True)
 
 
-def agent_turn(model, prefix: int, new: int, folder: Path) -> dict:
-    """An agent's next turn: `prefix` tokens saved as a persistent prefix cache (prefilled in bounded_replay), then
-    the time to the first token of `new` more tokens from the file (dropped from the page cache first: the read
-    is the disk's) against a cold bounded_replay prefill of all prefix + new tokens. Medians of 2 after a warm-up."""
+def agent_turn(model, prefix: int, new: int, folder: Path, mode: str = "bounded_replay") -> dict:
+    """An agent's next turn: `prefix` tokens saved as a persistent prefix cache, then the time to the first token of
+    `new` more tokens from the file (dropped from the page cache first: the read is the disk's; restoring includes
+    the file's checksum and the weights digest it is checked against) against a cold prefill of all prefix + new
+    tokens, both in `mode`. Medians of 2 after a warm-up; the restored turn also split into restore and forward."""
     vocab = model.config.text_config.vocab_size
     ids = torch.randint(3, vocab, (1, prefix + new), device=model.device)
     folder = Path(tempfile.mkdtemp(dir=folder))
@@ -263,8 +264,7 @@ def agent_turn(model, prefix: int, new: int, folder: Path) -> dict:
     with torch.no_grad():
         cache = DeepseekV41Cache(model.config)
         for start in range(0, prefix, 8192):
-            model(ids[:, start:min(start + 8192, prefix)], cache=cache, logits_to_keep=1,
-                  prefill_mode="bounded_replay")
+            model(ids[:, start:min(start + 8192, prefix)], cache=cache, logits_to_keep=1, prefill_mode=mode)
         cache.save(path, model)
     del cache
 
@@ -278,20 +278,26 @@ def agent_turn(model, prefix: int, new: int, folder: Path) -> dict:
         begin = time.perf_counter()
         with torch.no_grad():
             restored = DeepseekV41Cache.load(path, model)
-            model(ids[:, prefix:], cache=restored, logits_to_keep=1).logits.argmax(-1).tolist()
-        return time.perf_counter() - begin
+            synchronize()
+            loaded = time.perf_counter()
+            model(ids[:, prefix:], cache=restored, logits_to_keep=1, prefill_mode=mode).logits.argmax(-1).tolist()
+        end = time.perf_counter()
+        return end - begin, loaded - begin, end - loaded
 
     def cold_turn():
         synchronize()
         begin = time.perf_counter()
         with torch.no_grad():
             model(ids, cache=DeepseekV41Cache(model.config), logits_to_keep=1,
-                  prefill_mode="bounded_replay").logits.argmax(-1).tolist()
-        return time.perf_counter() - begin
-    row = {"agent_turn_prefix": prefix, "new_tokens": new, "file_gb": path.stat().st_size / 1e9}
-    for name, turn in (("restored_first_token_s", restored_turn), ("cold_first_token_s", cold_turn)):
+                  prefill_mode=mode).logits.argmax(-1).tolist()
+        return (time.perf_counter() - begin,)
+    row = {"agent_turn_prefix": prefix, "new_tokens": new, "mode": mode, "file_gb": path.stat().st_size / 1e9}
+    for name, turn, parts in (("restored_first_token_s", restored_turn, ("restore_s", "forward_s")),
+                              ("cold_first_token_s", cold_turn, ())):
         turn()
-        row[name] = statistics.median(turn() for _ in range(2))
+        times = [turn() for _ in range(2)]
+        for i, key in enumerate((name, *parts)):
+            row[key] = statistics.median(t[i] for t in times)
     row["cold_over_restored"] = row["cold_first_token_s"] / row["restored_first_token_s"]
     shutil.rmtree(folder)
     print(json.dumps(row), flush=True)
