@@ -69,15 +69,15 @@ def _on_device(*tensors):
     return [t.to(DEVICE) for t in tensors]
 
 
-@pytest.fixture(params=["decode", "decode_split_dot", "prefill", "prefill_wide"])
+@pytest.fixture(params=["decode", "decode_fp32_dot", "prefill", "prefill_narrow"])
 def hc_regime(request, monkeypatch):
-    """hc_step's tiles whatever the call's row count: decode's (the projection as one fp32 dot or three bf16 ones),
-    prefill's, or prefill's with wider column splits."""
+    """hc_step's tiles whatever the call's row count: decode's (the projection as three bf16 dots or one fp32 dot),
+    prefill's, or prefill's with narrower column splits."""
     from modeling_deepseek_v41.kernels.triton import mhc as hc_kernels
     if request.param.startswith("prefill"):
         monkeypatch.setattr(hc_kernels, "DECODE_ROWS", 0)
-    monkeypatch.setattr(hc_kernels, "PREFILL_BLOCK_D", 64 if request.param == "prefill_wide" else 32)
-    monkeypatch.setattr(hc_kernels, "SPLIT_DOT", request.param == "decode_split_dot")
+    monkeypatch.setattr(hc_kernels, "PREFILL_BLOCK_D", 32 if request.param == "prefill_narrow" else 64)
+    monkeypatch.setattr(hc_kernels, "SPLIT_DOT", request.param != "decode_fp32_dot")
     return request.param
 
 
