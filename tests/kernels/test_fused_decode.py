@@ -294,6 +294,36 @@ def test_ring_write_stores_the_packed_rows_of_the_exact_path():
     assert torch.equal(held.cpu(), expected)
 
 
+def test_a_long_chunk_leaves_the_ring_the_exact_path_leaves(monkeypatch):
+    """A chunk longer than the ring goes through the one-launch write too (nothing read back to the host), its
+    overwritten positions written as padding: the same slots, codes and positions as the exact path's."""
+    from modeling_deepseek_v41.cache import ring as ring_module
+    from modeling_deepseek_v41.kernels.numerics import fp8_act_qdq
+
+    g = torch.Generator().manual_seed(5)
+    values = fp8_act_qdq(torch.randn(2, 20, 64, generator=g).to(torch.bfloat16))
+    positions = torch.stack([torch.arange(3, 23), torch.cat([torch.full((5,), -1), torch.arange(40, 55)])])
+    kernels, launched = ring_module.triton_kernels(), []
+
+    class Recording:  # the launch sees each slot at most once per row (its precondition: no two writes race)
+        def ring_write(self, values, positions, *storage):
+            launched.append(positions.cpu())
+            return kernels.ring_write(values, positions, *storage)
+    monkeypatch.setattr(ring_module, "triton_kernels", Recording)
+    rings = []
+    for fused in (False, True):
+        monkeypatch.setattr(ring_module, "kernel_path", lambda x, fused=fused: fused)
+        ring = ring_module.Ring(12, 64, 2, torch.device(DEVICE))
+        ring.write(values.to(DEVICE), positions.to(DEVICE))
+        rings.append(ring)
+    exact, fused = rings
+    for row in launched[0]:
+        written = row[row >= 0]
+        assert len(set((written % 12).tolist())) == len(written) == 12
+    assert torch.equal(fused.positions, exact.positions)
+    assert torch.equal(fused.rows.codes, exact.rows.codes) and torch.equal(fused.rows.scales, exact.rows.scales)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_the_compiled_attention_formulation_computes_the_blocked_softmax(dtype):
     """The accelerator's closed form of the blocked online softmax against the sequential loop (the reference)."""
