@@ -389,14 +389,16 @@ def test_grouped_moe_matches_emulation(quantized, fp8_dot, f16_slices, dtype):
         assert _rel(out8, ref) < 2e-3
 
 
-def test_grouped_moe_through_the_grouped_gemm_matches_emulation(monkeypatch):
+@pytest.mark.parametrize("per_group", [2, 6])
+def test_grouped_moe_through_the_grouped_gemm_matches_emulation(monkeypatch, per_group):
     """A prefill's packed FP4 experts on a Hopper: bf16 copies of the experts and torch's grouped GEMM (forced
-    here; the CPU runs torch's own grouped GEMM), in groups of experts, one of them without rows: the emulation's
-    numbers up to fp32 summation order, the shared expert added in the last launch."""
+    here; the CPU runs torch's own grouped GEMM), in groups of experts (or all in one, which reads nothing back),
+    one of them without rows: the emulation's numbers up to fp32 summation order, the shared expert added in the
+    last launch."""
     from modeling_deepseek_v41.kernels.triton import moe_grouped_gemm
 
     n_experts, d, inter, top_k, t = 6, 64, 96, 3, 11
-    monkeypatch.setattr(moe_grouped_gemm, "GROUP_BYTES", 2 * 3 * inter * d * 2)  # two experts per group
+    monkeypatch.setattr(moe_grouped_gemm, "GROUP_BYTES", per_group * 3 * inter * d * 2)
     stacks = _experts(n_experts, d, inter, True, seed=30)
     tokens = _randn(t, d, seed=33, dtype=torch.bfloat16)
     experts, weights = _routing(t, n_experts - 1, top_k, seed=34)

@@ -81,17 +81,20 @@ def grouped_gemm_moe(tokens: torch.Tensor, experts: torch.Tensor, route: torch.T
 
     tokens [T, D] bf16; experts [T, k] ids; route [T*k] fp32 routing weights; pair_of_row [T*k] the pairs sorted
     by expert (stable); w1, w3 [E, I, D/2] and w2 [E, D, I/2] packed FP4 with E8M0 scales [E, N, K/32]. Reads the
-    experts' row counts back once (a prefill; decode steps take moe_rows or the tiles)."""
+    experts' row counts back once when the experts run in more than one group (a prefill; decode steps take
+    moe_rows or the tiles)."""
     top_k, n_experts, inter = experts.shape[1], w1.shape[0], w1.shape[1]
     d = tokens.shape[1]
     rows_of = pair_of_row.long()
     x = fp8_act_qdq(tokens, torch.bfloat16).index_select(0, torch.div(rows_of, top_k, rounding_mode="floor"))
     route = route.index_select(0, rows_of).unsqueeze(1)
-    counts = torch.bincount(experts.reshape(-1), minlength=n_experts)
+    ids = experts.reshape(-1).long()  # counted by scatter_add: CUDA's bincount reads the largest id back
+    counts = torch.zeros(n_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
     ends = counts.cumsum(0).to(torch.int32)
     per_expert_bytes = 3 * inter * d * 2
     group = max(1, min(n_experts, GROUP_BYTES // per_expert_bytes))
-    bounds = [0] + ends.tolist()  # the one host read: where each group of experts' rows begins and ends
+    # where each group of experts' rows begins and ends: the one host read, none when one group takes them all
+    bounds = [0] + ends.tolist() if group < n_experts else {0: 0, n_experts: rows_of.shape[0]}
     contributions = torch.empty(rows_of.shape[0], d, dtype=torch.bfloat16, device=tokens.device)
     for e0 in range(0, n_experts, group):
         e1 = min(n_experts, e0 + group)
