@@ -354,6 +354,8 @@ def main() -> None:
                         help="also profile one exact prefill of this many tokens, by kernel and by source line")
     parser.add_argument("--agent-turn", type=int, nargs=2, metavar=("PREFIX", "NEW"),
                         help="also time an agent turn: PREFIX tokens restored from a saved prefix cache + NEW tokens")
+    parser.add_argument("--agent-turn-mode", choices=("exact", "bounded_replay"), default="bounded_replay",
+                        help="the prefill mode of both agent turns (the saved prefix, the new tokens, the cold turn)")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp"), help="where --agent-turn writes its cache")
     parser.add_argument("--bandwidth", type=float, default=4.8e12)
     args = parser.parse_args()
@@ -377,7 +379,7 @@ def main() -> None:
     if args.profile_prefill:
         profile_prefill(model, args.profile_prefill, "exact")
     if args.agent_turn:
-        agent_turn(model, *args.agent_turn, args.workdir)
+        agent_turn(model, *args.agent_turn, args.workdir, args.agent_turn_mode)
     skip = {("exact", n) for n in args.skip_prefill}
     prefill_rows(model, args.prefill, args.prefill_modes, skip)
 

@@ -91,13 +91,20 @@ def weights_digest(model, method: str | None = None) -> str:
             parameter if parameter.is_contiguous() else parameter.contiguous())
     # per tensor: its whole chunks' sums and the remainder's (see kernels.byte_sums), one call per device
     sums = {device: weighted_byte_sums(tensors, _coefficients(device)).cpu() for device, tensors in by_device.items()}
-    if len(sums) > 1:  # in name order, whatever the placement
-        pieces = {device: iter(sums[device].split([t.numel() * t.element_size() // HASH_CHUNK + 1 for t in tensors]))
+    if len(sums) > 1:
+        counts = {device: [t.numel() * t.element_size() // HASH_CHUNK + 1 for t in tensors]
                   for device, tensors in by_device.items()}
-        sums = {None: torch.cat([next(pieces[parameter.device]) for _, parameter in present])}
+        sums = {None: in_name_order([parameter.device for _, parameter in present], counts, sums)}
     for ordered in sums.values():
         digest.update(memoryview(ordered.numpy()))
     return f"chunk-sums:{digest.hexdigest()}"
+
+
+def in_name_order(devices: list, counts: dict, sums: dict) -> torch.Tensor:
+    """Per-device sums (each device's parameters' sums concatenated, counts[device] of them per parameter) in the
+    parameters' name order, devices[i] being the i-th parameter's: the digest whatever the placement."""
+    pieces = {device: iter(sums[device].split(counts[device])) for device in sums}
+    return torch.cat([next(pieces[device]) for device in devices])
 
 
 def token_map_digest(model) -> str:

@@ -12,9 +12,9 @@ BLOCK_ROWS = 256  # chunks widened to float64 at once on the portable path
 def weighted_byte_sums(tensors: list[torch.Tensor], coefficients: torch.Tensor) -> torch.Tensor:
     """For each contiguous tensor in turn, taken as its bytes: sums[c] = sum_i byte[c * n + i] * coefficients[i]
     (n = coefficients' length) per whole chunk, then one sum of the remainder (0 when empty); all concatenated,
-    float64. With integer
-    coefficients below 2^20 and chunks of at most 2^14 bytes every partial sum is an integer below 2^53, so the
-    result is exact on any device and in any summation order. On CUDA one launch reads each byte once."""
+    float64. With integer coefficients below 2^20 and chunks of at most 2^14 bytes every partial sum is an integer
+    below 2^53, so the result is exact on any device and in any summation order. On CUDA one launch reads each byte
+    once."""
     if coefficients.is_cuda:
         return triton_kernels().byte_sums(tensors, coefficients)
     chunk = coefficients.numel()

@@ -45,18 +45,45 @@ def test_a_changed_byte_changes_its_chunk_only():
     assert torch.equal(after != before, torch.tensor([False, False, True, False]))
 
 
-def test_the_weights_digest_is_the_same_through_the_kernel():
-    """A model's chunk-sums digest through the one-launch kernel equals the portable formulation's (on the GPU:
-    the digest a cache saved there stores, against one computed on the CPU)."""
+def _digest_as_first_written(model) -> str:
+    """The chunk-sums digest as the first saved caches computed it (every parameter's bytes widened to float64),
+    so that caches saved before stay restorable."""
+    import hashlib
+
+    from modeling_deepseek_v41.cache import fingerprint
+    parameters = fingerprint.kv_producing_parameters(model)
+    digest = hashlib.sha256()
+    for name, parameter in parameters:
+        digest.update(f"{name}|{tuple(parameter.shape)}|{parameter.dtype};".encode())
+    weights = _coefficients(torch.device("cpu")).double()
+    for _, parameter in parameters:
+        data = parameter.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        whole = data.numel() - data.numel() % HASH_CHUNK
+        chunks = data[:whole].view(-1, HASH_CHUNK).double() @ weights
+        tail = data[whole:].double() @ weights[:data.numel() - whole]
+        digest.update(torch.cat([chunks, tail.reshape(1)]).numpy().tobytes())
+    return "chunk-sums:" + digest.hexdigest()
+
+
+def test_the_weights_digest_is_the_same_through_the_kernel(monkeypatch):
+    """A model's chunk-sums digest through the one-launch kernel (on the GPU: the digest a cache saved there stores;
+    on the CPU: the kernel in the interpreter, fed as the CUDA path feeds it) equals the portable formulation's and
+    the first formulation's."""
     from model_factory import random_model
 
-    from modeling_deepseek_v41.cache.fingerprint import weights_digest
+    from modeling_deepseek_v41.cache import fingerprint
     model = random_model(dtype=torch.bfloat16)
-    portable = weights_digest(model, method="chunk-sums")
+    first = _digest_as_first_written(model)
+    assert fingerprint.weights_digest(model, method="chunk-sums") == first
     if CUDA:
-        assert weights_digest(model.cuda()) == portable
-    else:  # the kernel in the interpreter, fed as the CUDA path feeds it
-        from modeling_deepseek_v41.cache import fingerprint
-        parameters = [p for _, p in fingerprint.kv_producing_parameters(model)]
-        assert torch.equal(byte_sums(parameters, _coefficients(torch.device("cpu"))),
-                           weighted_byte_sums(parameters, _coefficients(torch.device("cpu"))))
+        model = model.cuda()
+    else:
+        monkeypatch.setattr(fingerprint, "weighted_byte_sums", byte_sums)
+    assert fingerprint.weights_digest(model, method="chunk-sums") == first
+
+
+def test_sums_of_several_devices_go_to_the_digest_in_name_order():
+    from modeling_deepseek_v41.cache.fingerprint import in_name_order
+    sums = {"a": torch.tensor([1.0, 2.0, 3.0]), "b": torch.tensor([4.0, 5.0, 6.0])}
+    ordered = in_name_order(["a", "b", "a"], {"a": [2, 1], "b": [3]}, sums)
+    assert ordered.tolist() == [1.0, 2.0, 4.0, 5.0, 6.0, 3.0]

@@ -151,13 +151,14 @@ def _stored_case(dtype: torch.dtype, batch: int, seq: int, heads: int, dim: int,
 BF16_ATTENTION = 1e-4 if DEVICE == "cpu" else 4e-3  # CUDA: bf16 tensor-core dots, not yet measured tighter
 
 
-@pytest.fixture(params=["decode", "decode_split", "prefill", "prefill_tables"])
+@pytest.fixture(params=["decode", "decode_split", "wide_decode", "prefill", "prefill_tables"])
 def launch(request, monkeypatch):
     """The stored attention's regime whatever the call's row count: the decode tiles (the first launch's blocks
-    whole or split in 16-entry programs), the prefill tiles (every head in one program of the second launch), or
-    those reading the ring and pool as dequantized tables."""
+    whole or split in 16-entry programs), a batch's decode tiles, the prefill tiles (every head in one program of
+    the second launch), or those reading the ring and pool as dequantized tables."""
     from modeling_deepseek_v41.kernels.triton import attention
-    monkeypatch.setattr(attention, "PREFILL_MIN_ROWS", 1 << 62 if request.param.startswith("decode") else 1)
+    monkeypatch.setattr(attention, "PREFILL_MIN_ROWS", 1 << 62 if "decode" in request.param else 1)
+    monkeypatch.setattr(attention, "WIDE_DECODE_ROWS", 1 if request.param == "wide_decode" else 1 << 62)
     monkeypatch.setattr(attention, "DECODE_TILES", dataclasses.replace(
         attention.DECODE_TILES, logit_entries=16 if request.param == "decode_split" else 64))
     monkeypatch.setattr(attention, "PREFILL_TABLES", request.param == "prefill_tables")
@@ -182,16 +183,26 @@ def test_stored_attention_computes_the_exact_attention(dtype, start, window, wid
     assert (out[0, 0].abs().max() == 0) == (positions[0, 0] < 0)
 
 
+def test_every_attention_regime_sums_the_logits_in_the_same_chunks():
+    """The tile sets may differ in how much work a program takes, not in a sum's order (batch invariance)."""
+    from modeling_deepseek_v41.kernels.triton import attention
+    tiles = (attention.DECODE_TILES, attention.WIDE_DECODE_TILES, attention.PREFILL_TILES)
+    assert len({t.qk_chunk for t in tiles}) == 1
+    assert all(attention.BLOCK_ENTRIES % t.logit_entries == 0 for t in tiles)
+
+
 @pytest.mark.skipif(not CUDA, reason="bit-for-bit equality across launch shapes is a property of the compiled "
                     "kernels; the interpreter's dots are numpy's, whose summation order follows the shapes")
-def test_a_decode_row_does_not_depend_on_the_call_rows():
-    """A batch's rows (the wide decode tiles) give each row what a one-row call (the narrow tiles) gives it, bit for
-    bit, at the released head count and width: batched decoding and DSpark's verify stay exactly greedy."""
+@pytest.mark.parametrize("regime", ["wide_decode", "prefill"])
+def test_a_decode_row_does_not_depend_on_the_call_rows(regime):
+    """A batch's rows (the wide decode tiles, or the prefill tiles past PREFILL_MIN_ROWS rows) give each row what a
+    one-row call (the narrow tiles) gives it, bit for bit, at the released head count and width: batched decoding
+    and DSpark's verify stay exactly greedy."""
     from modeling_deepseek_v41.kernels.triton import attention
-    assert attention.DECODE_TILES.qk_chunk == attention.WIDE_DECODE_TILES.qk_chunk
+    seq = attention.WIDE_DECODE_ROWS // 2 if regime == "wide_decode" else attention.PREFILL_MIN_ROWS // 2
     q, rotation, positions, ring, pool, selected, sink = _stored_case(
-        torch.bfloat16, batch=2, seq=attention.WIDE_DECODE_ROWS, heads=64, dim=512, window=128, slots=256,
-        pool_rows=700, topk=512, start=300)
+        torch.bfloat16, batch=2, seq=seq, heads=64, dim=512, window=128, slots=256, pool_rows=700, topk=512,
+        start=300)
     dev = lambda t: t.to(DEVICE)  # noqa: E731
 
     def attend(b, s):
@@ -200,7 +211,7 @@ def test_a_decode_row_does_not_depend_on_the_call_rows():
                                     StoredWindow(*(dev(t[b]) for t in ring[:3]), ring.width),
                                     StoredPool(*(dev(t[b]) for t in pool)), dev(selected[b, s]), dev(sink), 0.04)
     batch = attend(slice(None), slice(None))
-    for b, s in ((0, 1), (1, 0), (1, attention.WIDE_DECODE_ROWS - 1)):
+    for b, s in ((0, 1), (1, 0), (1, seq - 1)):
         assert torch.equal(attend(slice(b, b + 1), slice(s, s + 1))[0, 0], batch[b, s])
 
 

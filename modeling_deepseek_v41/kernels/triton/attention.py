@@ -34,14 +34,16 @@ class Tiles:
 
 BLOCK_ENTRIES = 64  # the reference kernel's softmax block
 LOGIT_HEADS = 64  # phase 1: heads per program, so each entry is dequantized once per row for them all
-# decode (H200, one row at 4K: 61.7 -> 34.8 us for a pair of layers): a row's ten blocks of entries split over 40
+# Every regime's logit dots take the same chunks of head dims (qk_chunk) and phase 2's the same 64-entry blocks:
+# the tiles differ only in how many heads, entries and output dims a program takes, never in a sum's order, so a
+# row's result does not depend on the call's row count (batch invariance; tested bit for bit on the GPU).
+# decode (H200, one row at 4K: 61.7 -> 37.4 us for a pair of layers): a row's ten blocks of entries split over 40
 # programs, phase 2 in narrow slices of output dims
-DECODE_TILES = Tiles(logit_entries=16, qk_chunk=256, logit_warps=8, block_heads=16, out_chunk=32, output_warps=4)
+DECODE_TILES = Tiles(logit_entries=16, qk_chunk=128, logit_warps=8, block_heads=16, out_chunk=32, output_warps=4)
 # decode calls of a batch's rows fill the SMs without those splits, which only add work there (batch 32: 588 ->
-# 643 tok/s); the two differ only in the dots' N (entries, output dims per program), never in a sum's order, so a
-# row's result does not depend on the call's row count
+# 643 tok/s)
 WIDE_DECODE_ROWS = 16
-WIDE_DECODE_TILES = Tiles(logit_entries=64, qk_chunk=256, logit_warps=8, block_heads=16, out_chunk=64, output_warps=4)
+WIDE_DECODE_TILES = Tiles(logit_entries=64, qk_chunk=128, logit_warps=8, block_heads=16, out_chunk=64, output_warps=4)
 # prefill-sized calls: phase 2 with every head and 256 output dims per program, so each block of entries is read
 # once per row and half the dims (H200, a pair of a 4K prefill's layers: 11.9 ms at 64 dims, 7.6 at 256 with
 # phase 1 in 4 warps)

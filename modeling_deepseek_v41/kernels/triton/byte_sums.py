@@ -9,6 +9,8 @@ tensors' addresses, and accumulates the products in int64, which is exact, so th
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -60,7 +62,9 @@ def byte_sums(tensors: list[torch.Tensor], coefficients: torch.Tensor) -> torch.
     lengths = torch.tensor(lengths, dtype=torch.int64).to(device)
     first_slots = torch.tensor(first, dtype=torch.int64).to(device)
     out = torch.empty(first[-1], dtype=torch.float64, device=device)
-    _byte_sums_kernel[(first[-1],)](addresses, lengths, first_slots, coefficients.to(torch.int32), out, len(tensors),
-                                    SEARCH_STEPS=max(1, len(tensors).bit_length()), CHUNK=chunk, BLOCK=BLOCK_BYTES,
-                                    num_warps=BYTE_SUMS_WARPS)
+    # Triton launches on the current device, which may hold other weights (the interpreter's tensors are the CPU's)
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        _byte_sums_kernel[(first[-1],)](addresses, lengths, first_slots, coefficients.to(torch.int32), out,
+                                        len(tensors), SEARCH_STEPS=max(1, len(tensors).bit_length()), CHUNK=chunk,
+                                        BLOCK=BLOCK_BYTES, num_warps=BYTE_SUMS_WARPS)
     return out

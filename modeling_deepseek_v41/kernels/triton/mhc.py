@@ -3,8 +3,8 @@ the next sublayer's mixes (fp32 projection, RMS statistic, Sinkhorn) and its inp
 
 The math is `kernels.mhc`'s exact path, in its order: the expanded streams rounded to the streams' dtype before
 anything reads them, the collapse rounded to it before the norm, the norm's weight applied after the normalisation.
-The projection's 4*D inputs are split over programs (BD columns of each stream per program, for decode-sized calls
-a split from D alone, so a row's result never depends on the row count); a second launch sums the partials,
+The projection's 4*D inputs are split over programs (BD columns of each stream per program; up to DECODE_ROWS rows
+a split from D alone, so a decode row's result never depends on the row count); a second launch sums the partials,
 normalises the collapsed rows and runs the Sinkhorn iterations. The fp32 projection of the bf16 streams runs on the
 tensor cores with every product exact (see _split_dot); only the fp32 summation order differs.
 """
@@ -17,7 +17,7 @@ import triton.language as tl
 
 from .common import cast, reduce_max, reduce_sum
 
-BLOCK_ROWS = 16  # rows per program (the projection's dot needs 16)
+BLOCK_ROWS, DECODE_WARPS = 16, 4  # rows per program (the projection's dot needs 16)
 DECODE_ROWS = 256
 BLOCK_D = 32  # columns of each stream per program: 160 programs per row block at D = 5120 (H200, one row: 17 us vs 29 at 128)
 # past DECODE_ROWS: 64 rows x 64 columns per program (H200, 16K rows, split dot: 3.27 ms; 64 x 32: 3.67)
@@ -64,9 +64,10 @@ def _sinkhorn(mixes, scale_ptr, base_ptr, iters, eps, BR: tl.constexpr, HC: tl.c
 @triton.jit
 def _split_dot(a, b, acc, IEEE: tl.constexpr):
     """acc + a @ b for a [M, K] whose values are exact in bf16 (the streams) and an fp32 b [K, N], every product
-    exact: b == b1 + b2 + b3 exactly for three bf16 parts (each takes the next 8 of fp32's 24 significant bits),
-    a bf16 x bf16 product is exact in fp32, so three tensor-core dots with fp32 accumulation replace one fp32 dot
-    on the CUDA cores (IEEE: the parts' dots in IEEE fp32 instead, as the interpreter needs)."""
+    exact: b == b1 + b2 + b3 exactly for three bf16 parts (each takes the next 8 of fp32's 24 significant bits;
+    for 2^-100 < |b| < 2^127, where the last part stays a normal bf16: the mix weights are far inside), a bf16 x
+    bf16 product is exact in fp32, so three tensor-core dots with fp32 accumulation replace one fp32 dot on the
+    CUDA cores (IEEE: the parts' dots in IEEE fp32 instead, as the interpreter needs)."""
     a16 = a.to(tl.bfloat16)
     b1 = b.to(tl.bfloat16)
     rest = b - b1.to(tl.float32)
@@ -199,13 +200,13 @@ def hc_step(streams: torch.Tensor, read_weights: torch.Tensor, fn: torch.Tensor,
     post_out = torch.empty(r, hc, dtype=out_dtype, device=streams.device)
     comb_out = torch.empty(r, hc, hc, dtype=out_dtype, device=streams.device)
     x = torch.empty(r, d, dtype=streams.dtype, device=streams.device)
-    block_rows, block_d, warps = (BLOCK_ROWS, BLOCK_D, 4) if r <= DECODE_ROWS else \
+    block_rows, block_d, warps = (BLOCK_ROWS, BLOCK_D, DECODE_WARPS) if r <= DECODE_ROWS else \
         (PREFILL_BLOCK_ROWS, PREFILL_BLOCK_D, PREFILL_WARPS)
     splits = triton.cdiv(d, block_d)
     part = torch.empty(splits, r, MIX_COLUMNS + 2, dtype=out_dtype, device=streams.device)
     cpu = streams.device.type == "cpu"
     split = SPLIT_DOT and acc == tl.float32 and streams.dtype == torch.bfloat16
-    ieee = (acc == tl.float32 or cpu) and (cpu or not split)  # the interpreter's dots in IEEE fp32
+    ieee = cpu or (acc == tl.float32 and not split)  # the interpreter's dots in IEEE fp32
     _hc_partials_kernel[(triton.cdiv(r, block_rows), splits)](
         rows, _rows_or(output, rows), _rows_or(post, rows), _rows_or(comb, rows), new,
         read_weights.reshape(r, hc).contiguous(), fn.contiguous(), part, x, r, d, BR=block_rows, BD=block_d, HC=hc,

@@ -94,11 +94,11 @@ def grouped_gemm_moe(tokens: torch.Tensor, experts: torch.Tensor, route: torch.T
     per_expert_bytes = 3 * inter * d * 2
     group = max(1, min(n_experts, GROUP_BYTES // per_expert_bytes))
     # where each group of experts' rows begins and ends: the one host read, none when one group takes them all
-    bounds = [0] + ends.tolist() if group < n_experts else {0: 0, n_experts: rows_of.shape[0]}
+    bounds = [0] + ends.tolist() if group < n_experts else None
     contributions = torch.empty(rows_of.shape[0], d, dtype=torch.bfloat16, device=tokens.device)
     for e0 in range(0, n_experts, group):
         e1 = min(n_experts, e0 + group)
-        r0, r1 = bounds[e0], bounds[e1]
+        r0, r1 = (bounds[e0], bounds[e1]) if bounds else (0, rows_of.shape[0])
         if r0 == r1:
             continue
         offs = ends[e0:e1] - r0

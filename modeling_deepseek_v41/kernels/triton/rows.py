@@ -112,7 +112,7 @@ def ring_write(values: torch.Tensor, positions: torch.Tensor, codes: torch.Tenso
                ring_positions: torch.Tensor) -> None:
     """Store values [B, S, D] (FP8-QDQ'd window entries) at ring slot position % slots of their batch row, as
     FP8 codes [B, slots, D] and E8M0 scales [B, slots, D/32] (uint8), with the slot's position [B, slots].
-    The chunk's positions must be distinct modulo the slot count (a chunk of at most `slots` tokens)."""
+    The non-negative positions must be distinct modulo the slot count (two programs never write one slot)."""
     batch, seq, d = values.shape
     if codes.stride(2) != 1 or codes.stride(1) != d or scales.stride(1) != d // 32:
         raise ValueError("ring rows must be contiguous within each batch row")
