@@ -221,23 +221,17 @@ def profile_decode(model, context: int, steps: int = 3, top: int = 50, width: in
                       "launches_per_step": launches}), flush=True)
 
 
-def profile_prefill(model, length: int, mode: str, top: int = 40) -> None:
-    """The CUDA time of one prefill call of `length` tokens (after a warm-up call) by kernel, and by the package's
-    source line that launched it (torch.profiler's stacks), largest first."""
-    ids = torch.randint(3, model.config.text_config.vocab_size, (1, length), device="cuda")
-
-    def run():
-        with torch.no_grad():
-            model(ids, cache=DeepseekV41Cache(model.config), prefill_mode=mode, logits_to_keep=1)
-    run()
-    torch.cuda.synchronize()
+def profiled(run, what: str, top: int) -> dict:
+    """One call of `run` under torch.profiler (CPU and CUDA, with stacks): its kernels and the package's launching
+    source lines by GPU time, largest first; returns its GPU time, launches and host synchronizations."""
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities, with_stack=True) as prof:
         run()
         torch.cuda.synchronize()
-    kernels = sorted((e for e in prof.key_averages() if e.self_device_time_total > 0 and e.device_type.name == "CUDA"),
+    events = prof.key_averages()
+    kernels = sorted((e for e in events if e.self_device_time_total > 0 and e.device_type.name == "CUDA"),
                      key=lambda e: -e.self_device_time_total)
-    print(f"top kernels of a {length}-token {mode} prefill (ms, launches):")
+    print(f"top kernels of {what} (ms, launches):")
     for e in kernels[:top]:
         print(f"P {e.self_device_time_total / 1e3:9.1f} {e.count:7d}  {e.key[:100]}")
     ops = sorted((e for e in prof.key_averages(group_by_stack_n=6) if e.self_device_time_total > 0
@@ -247,16 +241,31 @@ def profile_prefill(model, length: int, mode: str, top: int = 40) -> None:
         frames = [f for f in e.stack if "modeling_deepseek_v41" in f][:3]
         print(f"S {e.self_device_time_total / 1e3:9.1f} {e.count:7d}  {e.key[:40]}  " + " < ".join(
             f.split("modeling_deepseek_v41/")[-1] for f in frames))
-    total = sum(e.self_device_time_total for e in kernels) / 1e3
-    print(json.dumps({"profiled_prefill": length, "mode": mode, "gpu_busy_ms": total,
-                      "launches": sum(e.count for e in kernels)}), flush=True)
+    return {"gpu_busy_ms": sum(e.self_device_time_total for e in kernels) / 1e3,
+            "launches": sum(e.count for e in kernels),
+            "host_synchronizations": sum(e.count for e in events if e.key == "cudaStreamSynchronize")}
 
 
-def agent_turn(model, prefix: int, new: int, folder: Path, mode: str = "bounded_replay") -> dict:
+def profile_prefill(model, length: int, mode: str, top: int = 40) -> None:
+    """The CUDA time of one prefill call of `length` tokens (after a warm-up call) by kernel and by launching line."""
+    ids = torch.randint(3, model.config.text_config.vocab_size, (1, length), device="cuda")
+
+    def run():
+        with torch.no_grad():
+            model(ids, cache=DeepseekV41Cache(model.config), prefill_mode=mode, logits_to_keep=1)
+    run()
+    torch.cuda.synchronize()
+    stats = profiled(run, f"a {length}-token {mode} prefill", top)
+    print(json.dumps({"profiled_prefill": length, "mode": mode, **stats}), flush=True)
+
+
+def agent_turn(model, prefix: int, new: int, folder: Path, mode: str = "bounded_replay", profile: bool = False
+               ) -> dict:
     """An agent's next turn: `prefix` tokens saved as a persistent prefix cache, then the time to the first token of
     `new` more tokens from the file (dropped from the page cache first: the read is the disk's; restoring includes
     the file's checksum and the weights digest it is checked against) against a cold prefill of all prefix + new
-    tokens, both in `mode`. Medians of 2 after a warm-up; the restored turn also split into restore and forward."""
+    tokens, both in `mode`. Medians of 2 after a warm-up; the restored turn also split into restore and forward,
+    whose kernels and host synchronizations `profile` prints."""
     vocab = model.config.text_config.vocab_size
     ids = torch.randint(3, vocab, (1, prefix + new), device=model.device)
     folder = Path(tempfile.mkdtemp(dir=folder))
@@ -299,6 +308,12 @@ def agent_turn(model, prefix: int, new: int, folder: Path, mode: str = "bounded_
         for i, key in enumerate((name, *parts)):
             row[key] = statistics.median(t[i] for t in times)
     row["cold_over_restored"] = row["cold_first_token_s"] / row["restored_first_token_s"]
+    if profile:
+        with torch.no_grad():
+            restored = DeepseekV41Cache.load(path, model)
+            stats = profiled(lambda: model(ids[:, prefix:], cache=restored, logits_to_keep=1, prefill_mode=mode),
+                             "the restored turn's forward", 30)
+        row.update({f"forward_{key}": value for key, value in stats.items()})
     shutil.rmtree(folder)
     print(json.dumps(row), flush=True)
     return row
@@ -354,6 +369,8 @@ def main() -> None:
                         help="also profile one exact prefill of this many tokens, by kernel and by source line")
     parser.add_argument("--agent-turn", type=int, nargs=2, metavar=("PREFIX", "NEW"),
                         help="also time an agent turn: PREFIX tokens restored from a saved prefix cache + NEW tokens")
+    parser.add_argument("--profile-agent-turn", action="store_true",
+                        help="also profile the restored agent turn's forward (kernels, host synchronizations)")
     parser.add_argument("--agent-turn-mode", choices=("exact", "bounded_replay"), default="bounded_replay",
                         help="the prefill mode of both agent turns (the saved prefix, the new tokens, the cold turn)")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp"), help="where --agent-turn writes its cache")
@@ -379,7 +396,7 @@ def main() -> None:
     if args.profile_prefill:
         profile_prefill(model, args.profile_prefill, "exact")
     if args.agent_turn:
-        agent_turn(model, *args.agent_turn, args.workdir, args.agent_turn_mode)
+        agent_turn(model, *args.agent_turn, args.workdir, args.agent_turn_mode, args.profile_agent_turn)
     skip = {("exact", n) for n in args.skip_prefill}
     prefill_rows(model, args.prefill, args.prefill_modes, skip)
 
