@@ -102,7 +102,7 @@ def sweep_attention(model) -> None:
                                 for pool, args in mine.items())
                     results.append((us, f"{us:10.1f} us  max change {moved:.2e}  {change or 'committed'}"))
                 except Exception as error:  # noqa: BLE001 - a tile Triton cannot compile is reported, not ranked
-                    log(f"{regime} {change}: failed ({type(error).__name__}: {str(error).splitlines()[0][:80]})")
+                    log(f"{regime} {change}: failed ({type(error).__name__}: {str(error)[:80]!r})")
         finally:
             setattr(attention, regime, committed)
         log(f"{regime} ({committed}): {len(mine)} captured calls, summed")
