@@ -58,12 +58,18 @@ class Pool:
         self.keys.write_codes(batch_ids[done], rows[done], keys[0][done], keys[1][done])
         if self.ratio > 1:
             self.carry = out.carry
-            live = positions >= 0
+            live = self.recent_kept(positions)
             b = torch.arange(positions.shape[0], device=rows.device).unsqueeze(1).expand_as(positions)[live]
             slot = positions[live] % self.recent_size
             self.recent_kv[b, slot] = out.token_kv[live].to(self.recent_kv.dtype)
             self.recent_score[b, slot] = out.token_score[live].to(self.recent_score.dtype)
         return StoredPoolView(self, total, dtype)
+
+    def recent_kept(self, positions: torch.Tensor) -> torch.Tensor:
+        """Which of a chunk's positions [B,S] the recent tokens keep: each row's last `recent_size`, so no two share
+        a slot (a longer chunk's duplicate slots would leave CUDA's index_put to pick a writer at random)."""
+        end = torch.where(positions >= 0, positions, -1).amax(dim=1, keepdim=True)
+        return (positions >= 0) & (positions > end - self.recent_size)
 
     def _write_without_reads(self, rows: torch.Tensor, kv, keys, carry, token_kv, token_score,
                              positions: torch.Tensor) -> None:
