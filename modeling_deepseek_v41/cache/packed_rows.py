@@ -22,6 +22,21 @@ from ..kernels.numerics import (
 from .columns import with_capacity
 
 
+def scatter_rows_where(store: torch.Tensor, index: torch.Tensor, values: torch.Tensor, keep: torch.Tensor) -> None:
+    """store[b, index[b, g]] = values[b, g] where keep [B, G], with nothing read back to the host (a boolean mask
+    index would read its count): every other entry writes the row of its batch row's first kept entry with that
+    entry's values (row 0 with the values already there when the row keeps none), so all writers of a row write
+    the same values, whatever order a device's scatter takes. The kept entries' rows must be distinct per row."""
+    first = keep.to(torch.int32).argmax(dim=1, keepdim=True)  # the first kept entry (0 when there is none)
+    any_kept = keep.any(dim=1, keepdim=True)
+    spare_row = torch.where(any_kept, index.gather(1, first), 0)
+    width = store.shape[-1]
+    spare = torch.where(any_kept.unsqueeze(-1), values.gather(1, first.unsqueeze(-1).expand(-1, 1, width)),
+                        store[:, :1])
+    target = torch.where(keep, index, spare_row).unsqueeze(-1).expand(-1, -1, width)
+    store.scatter_(1, target, torch.where(keep.unsqueeze(-1), values, spare))
+
+
 class PackedRows:
     """Rows [B, capacity, dim] kept as (codes, scales) in one of three formats.
 
@@ -101,6 +116,12 @@ class PackedRows:
             return
         self.codes[batch_ids, row_ids] = codes.to(self.code_dtype).view(torch.uint8)
         self.scales[batch_ids, row_ids] = self._scale_bytes(scales)
+
+    def write_codes_where(self, row_ids: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                          keep: torch.Tensor) -> None:
+        """Store encoded rows codes [B, G, w] at (b, row_ids[b, g]) where keep [B, G] (see scatter_rows_where)."""
+        scatter_rows_where(self.codes, row_ids, codes.to(self.code_dtype).view(torch.uint8), keep)
+        scatter_rows_where(self.scales, row_ids, self._scale_bytes(scales), keep)
 
     def write_codes_one_per_row(self, row_ids: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                                 keep: torch.Tensor) -> None:

@@ -7,7 +7,7 @@ import torch
 
 from ..kernels.sparse_attention import StoredPool
 from ..layers.kv_store import PoolChunk
-from .packed_rows import PackedRows
+from .packed_rows import PackedRows, scatter_rows_where
 
 
 class Pool:
@@ -51,18 +51,14 @@ class Pool:
         if self.fixed or (out.rows.shape[1] == 1 and positions.shape[1] == 1):
             self._write_without_reads(out.rows, kv, keys, out.carry, out.token_kv, out.token_score, positions)
             return StoredPoolView(self, total, dtype)
-        rows = out.rows
-        done = rows >= 0
-        batch_ids = torch.arange(rows.shape[0], device=rows.device).unsqueeze(1).expand_as(rows)
-        self.kv.write_codes(batch_ids[done], rows[done], kv[0][done], kv[1][done])
-        self.keys.write_codes(batch_ids[done], rows[done], keys[0][done], keys[1][done])
+        done = out.rows >= 0  # the chunk's completed rows, written with nothing read back to the host
+        self.kv.write_codes_where(out.rows, kv[0], kv[1], done)
+        self.keys.write_codes_where(out.rows, keys[0], keys[1], done)
         if self.ratio > 1:
             self.carry = out.carry
-            live = self.recent_kept(positions)
-            b = torch.arange(positions.shape[0], device=rows.device).unsqueeze(1).expand_as(positions)[live]
-            slot = positions[live] % self.recent_size
-            self.recent_kv[b, slot] = out.token_kv[live].to(self.recent_kv.dtype)
-            self.recent_score[b, slot] = out.token_score[live].to(self.recent_score.dtype)
+            kept, slot = self.recent_kept(positions), positions % self.recent_size
+            scatter_rows_where(self.recent_kv, slot, out.token_kv.to(self.recent_kv.dtype), kept)
+            scatter_rows_where(self.recent_score, slot, out.token_score.to(self.recent_score.dtype), kept)
         return StoredPoolView(self, total, dtype)
 
     def recent_kept(self, positions: torch.Tensor) -> torch.Tensor:

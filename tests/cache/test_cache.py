@@ -85,6 +85,22 @@ def test_a_long_chunk_leaves_each_recent_slot_one_writer():
         assert row[keep].tolist() == list(range(end - pool.recent_size + 1, end + 1))
 
 
+def test_masked_row_writes_equal_boolean_indexed_ones():
+    """Pool writes without host reads store what the boolean-mask writes stored, a batch row that keeps nothing
+    included (its row 0 keeps its bytes)."""
+    from modeling_deepseek_v41.cache.packed_rows import scatter_rows_where
+    g = torch.Generator().manual_seed(6)
+    store = torch.randint(0, 256, (3, 10, 4), generator=g, dtype=torch.uint8)
+    index = torch.stack([torch.randperm(10, generator=g)[:6] for _ in range(3)])
+    values = torch.randint(0, 256, (3, 6, 4), generator=g, dtype=torch.uint8)
+    keep = torch.tensor([[0, 1, 1, 0, 1, 0], [0, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    expected = store.clone()
+    batch = torch.arange(3).unsqueeze(1).expand_as(index)
+    expected[batch[keep], index[keep]] = values[keep]
+    scatter_rows_where(store, index, values, keep)
+    assert torch.equal(store, expected)
+
+
 def test_crop_beyond_horizon_is_refused():
     model = _model("tiny-text")
     cache = DeepseekV41Cache(model.config, crop_horizon=8)
