@@ -22,6 +22,14 @@ from ..kernels.numerics import (
 from .columns import with_capacity
 
 
+def latest_positions(positions: torch.Tensor, count: int) -> torch.Tensor:
+    """Which of a chunk's positions [B,S] a store of `count` slots by position modulo count keeps: each row's last
+    `count` (padding, -1, never), so no two kept positions share a slot (a device's scatter of several writers to
+    one slot picks any of them)."""
+    end = torch.where(positions >= 0, positions, -1).amax(dim=1, keepdim=True)
+    return (positions >= 0) & (positions > end - count)
+
+
 def scatter_rows_where(store: torch.Tensor, index: torch.Tensor, values: torch.Tensor, keep: torch.Tensor) -> None:
     """store[b, index[b, g]] = values[b, g] where keep [B, G], with nothing read back to the host (a boolean mask
     index would read its count): every other entry writes the row of its batch row's first kept entry with that

@@ -7,7 +7,7 @@ import torch
 
 from ..kernels.sparse_attention import StoredPool
 from ..layers.kv_store import PoolChunk
-from .packed_rows import PackedRows, scatter_rows_where
+from .packed_rows import PackedRows, latest_positions, scatter_rows_where
 
 
 class Pool:
@@ -56,16 +56,10 @@ class Pool:
         self.keys.write_codes_where(out.rows, keys[0], keys[1], done)
         if self.ratio > 1:
             self.carry = out.carry
-            kept, slot = self.recent_kept(positions), positions % self.recent_size
+            kept, slot = latest_positions(positions, self.recent_size), positions % self.recent_size
             scatter_rows_where(self.recent_kv, slot, out.token_kv.to(self.recent_kv.dtype), kept)
             scatter_rows_where(self.recent_score, slot, out.token_score.to(self.recent_score.dtype), kept)
         return StoredPoolView(self, total, dtype)
-
-    def recent_kept(self, positions: torch.Tensor) -> torch.Tensor:
-        """Which of a chunk's positions [B,S] the recent tokens keep: each row's last `recent_size`, so no two share
-        a slot (a longer chunk's duplicate slots would leave CUDA's index_put to pick a writer at random)."""
-        end = torch.where(positions >= 0, positions, -1).amax(dim=1, keepdim=True)
-        return (positions >= 0) & (positions > end - self.recent_size)
 
     def _write_without_reads(self, rows: torch.Tensor, kv, keys, carry, token_kv, token_score,
                              positions: torch.Tensor) -> None:

@@ -10,7 +10,7 @@ import torch
 from ..kernels.dispatch import kernel_path
 from ..kernels.gpu_linear import triton_kernels
 from ..kernels.sparse_attention import StoredWindow, list_window
-from .packed_rows import PackedRows
+from .packed_rows import PackedRows, latest_positions
 
 
 class Ring:
@@ -69,7 +69,7 @@ class Ring:
         if kernel_path(chunk_kv) and chunk_kv.shape[-1] % 32 == 0 \
                 and chunk_kv.shape[-1] & (chunk_kv.shape[-1] - 1) == 0:  # one launch, nothing read back
             if positions.shape[1] > self.size:  # what a long chunk leaves: the rest written as padding
-                positions = torch.where(self._kept(positions), positions, -1)
+                positions = torch.where(latest_positions(positions, self.size), positions, -1)
             triton_kernels().ring_write(chunk_kv, positions, self.rows.codes, self.rows.scales, self.positions)
             return
         if self.fixed or positions.shape[1] == 1:  # a token per row per scatter: nothing read back
@@ -80,16 +80,11 @@ class Ring:
                 self.positions.scatter_(1, slots.unsqueeze(1), torch.where(
                     live, positions[:, s], self.positions.gather(1, slots.unsqueeze(1)).squeeze(1)).unsqueeze(1))
             return
-        keep = self._kept(positions)
+        keep = latest_positions(positions, self.size)
         batch_ids = torch.arange(positions.shape[0], device=positions.device).unsqueeze(1).expand_as(positions)
         slots = positions % self.size
         self.rows.write(batch_ids[keep], slots[keep], chunk_kv[keep])
         self.positions[batch_ids[keep], slots[keep]] = positions[keep]
-
-    def _kept(self, positions: torch.Tensor) -> torch.Tensor:
-        """Which of a chunk's positions [B,S] stay in the ring: each row's last `size` (distinct slots)."""
-        end = torch.where(positions >= 0, positions, -1).amax(dim=1, keepdim=True)
-        return (positions >= 0) & (positions > end - self.size)
 
     def list_entries(self, chunk_kv: torch.Tensor, positions: torch.Tensor, window: int, width: int,
                      floor: torch.Tensor | None, offset: int, chunk_start: torch.Tensor

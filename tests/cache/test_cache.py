@@ -77,10 +77,11 @@ def test_crop_then_refeed_equals_never_going_further():
 def test_a_long_chunk_leaves_each_recent_slot_one_writer():
     """The raw recent tokens a crop rebuilds carries from: of a chunk longer than their slots only each row's last
     recent_size positions are written, so no slot has two writers (CUDA's index_put would pick one at random)."""
+    from modeling_deepseek_v41.cache.packed_rows import latest_positions
     from modeling_deepseek_v41.cache.pool import Pool
     pool = Pool(2, 8, 8, 2, horizon=64, device=torch.device("cpu"), compute_dtype=torch.float32)
     positions = torch.stack([torch.arange(10, 210), torch.cat([torch.full((50,), -1), torch.arange(0, 150)])])
-    for row, keep in zip(positions, pool.recent_kept(positions)):
+    for row, keep in zip(positions, latest_positions(positions, pool.recent_size)):
         end = int(row.max())
         assert row[keep].tolist() == list(range(end - pool.recent_size + 1, end + 1))
 
