@@ -8,6 +8,7 @@ import torch
 from torch.nn import functional as F
 
 from .dispatch import fast_path, kernel_path
+from .gpu_linear import triton_kernels
 from .numerics import compute_dtype, fp4_dequantize_rows, fp8_act_qdq, fp8_dequantize_rows
 from .rope import apply_rope_tail
 
@@ -22,6 +23,19 @@ def stable_topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     if k == 0:
         return scores.new_empty(*scores.shape[:-1], 0, dtype=torch.long)
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+def topk_ascending(scores: torch.Tensor, k: int, drop_unreachable: bool = False) -> torch.Tensor:
+    """The positions stable_topk_indices chooses, in ascending order; drop_unreachable: those whose score is -inf
+    (or NaN) become -1, after the others. On CUDA inference a radix select per row instead of sorts."""
+    if kernel_path(scores) and k > 0:
+        return triton_kernels().topk_ascending(scores, k, drop_unreachable)
+    chosen = stable_topk_indices(scores, k)
+    if not drop_unreachable:
+        return chosen.sort(dim=-1).values
+    width = scores.shape[-1]
+    chosen = torch.where(scores.gather(-1, chosen) > -torch.inf, chosen, width).sort(dim=-1).values
+    return torch.where(chosen == width, -1, chosen)
 
 
 def _fused_sparse_attention(q: torch.Tensor, entries: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
@@ -177,10 +191,7 @@ def select_candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, topk_bl
     newest = torch.div(visible - 1, block_size, rounding_mode="floor")
     block_ids = torch.arange(n_blocks, device=scores.device)
     block_scores = block_scores.masked_fill(block_ids == newest.unsqueeze(-1), torch.inf)
-    chosen = stable_topk_indices(block_scores, min(topk_blocks, n_blocks))
-    reachable = block_scores.gather(-1, chosen) > -torch.inf
-    ids = torch.where(reachable, chosen, n_blocks).sort(dim=-1).values
-    return torch.where(ids == n_blocks, -1, ids)
+    return topk_ascending(block_scores, min(topk_blocks, n_blocks), drop_unreachable=True)
 
 
 def candidate_mask(blocks: torch.Tensor, block_size: int, width: int) -> torch.Tensor:

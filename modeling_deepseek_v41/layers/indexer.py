@@ -8,7 +8,7 @@ from torch import nn
 from ..kernels.fp4_rows import fp4_qdq, fp4_quantize_rows
 from ..kernels.index_scores import index_scores
 from ..kernels.numerics import INDEX_BLOCK
-from ..kernels.sparse_attention import candidate_mask, candidate_positions, select_candidate_blocks, stable_topk_indices
+from ..kernels.sparse_attention import candidate_mask, candidate_positions, select_candidate_blocks, topk_ascending
 from .kv_store import PoolView
 from .linear import DeepseekV41Linear, DeepseekV41RMSNorm
 from .rotary import apply_rope_tail
@@ -77,7 +77,7 @@ class DeepseekV41Indexer(nn.Module):
                 mask = candidate_mask(share.candidates[:, queries], self.candidate_block_size, keys.shape[1])
                 scores = scores.masked_fill(~mask, -torch.inf)
             recorded.append(scores)
-            picked = stable_topk_indices(scores, k).sort(dim=-1).values
+            picked = topk_ascending(scores, k)
             selections.append(torch.where(picked < visible[:, queries].unsqueeze(-1), picked, -1))
         if self.spec.is_candidate_source:
             share.candidates = torch.cat(candidates, dim=1)
@@ -103,10 +103,9 @@ class DeepseekV41Indexer(nn.Module):
         gathered = keys.to(q.dtype).gather(1, flat).view(batch, seq, width, keys.shape[-1])
         scores = torch.einsum("bshd,bsmd->bshm", q, gathered)
         scores = (scores.relu() * weights.unsqueeze(-1)).sum(dim=2).masked_fill(~valid, -torch.inf)
-        chosen = stable_topk_indices(scores, min(k, width))
-        picked = torch.where(scores.gather(-1, chosen) > -torch.inf, positions.gather(-1, chosen), -1)
-        picked = torch.where(picked >= 0, picked, keys.shape[1]).sort(dim=-1).values
-        picked = torch.where(picked < keys.shape[1], picked, -1)
+        # candidates are in position order, so the chosen ones' positions are ascending too
+        chosen = topk_ascending(scores, min(k, width), drop_unreachable=True)
+        picked = torch.where(chosen >= 0, positions.gather(-1, chosen.clamp_min(0)), -1)
         if picked.shape[-1] < k:
             picked = torch.cat([picked, picked.new_full((batch, seq, k - picked.shape[-1]), -1)], dim=-1)
         return picked

@@ -12,8 +12,10 @@ from .moe import MOE_DECODE_MAX_TOKENS, grouped_moe
 from .quant import fp4_rows, fp4_to_fp8_weight, fp8_act_qdq, fp8_act_quant
 from .routing import route, swiglu
 from .rows import ring_write, rms_norm, window_kv
+from .topk import topk_ascending
 
 __all__ = ["DECODE_MAX_ROWS", "MOE_DECODE_MAX_TOKENS", "byte_sums", "dense_linear", "fp32_linear", "fp4_dequantize",
            "fp4_linear", "fp4_rows", "fp4_to_fp8_weight", "fp8_act_qdq", "fp8_act_quant", "fp8_dequantize",
            "fp8_linear", "fp8_row_linear", "grouped_linear", "grouped_moe", "hc_expand", "hc_step", "index_scores",
-           "linear_pair", "ring_write", "rms_norm", "route", "stored_attention", "swiglu", "window_kv"]
+           "linear_pair", "ring_write", "rms_norm", "route", "stored_attention", "swiglu", "topk_ascending",
+           "window_kv"]
