@@ -182,13 +182,13 @@ def dspark_rows(model, context: int, steps: int, accepted_lengths=(2.8, 3.5)) ->
     return row
 
 
-def profile_decode(model, context: int, steps: int = 3, top: int = 50, width: int = 1, draft: bool = False
-                   ) -> None:
-    """The CUDA time of a graph-replayed batch-1 decode step of `width` tokens by kernel (torch.profiler), largest
-    first; width > 1 is DSpark's verify step (on a cache with the drafter's rings, cropped back after each), `draft`
-    the drafter's replayed forward instead."""
+def profile_decode(model, context: int, steps: int = 3, top: int = 50, width: int = 1, draft: bool = False,
+                   batch: int = 1) -> None:
+    """The CUDA time of a graph-replayed decode step of `batch` rows of `width` tokens by kernel (torch.profiler),
+    largest first; width > 1 is DSpark's verify step (batch 1, on a cache with the drafter's rings, cropped back
+    after each), `draft` the drafter's replayed forward instead."""
     rings = width > 1 or draft
-    cache, token = prefilled_cache(model, context, 1, dspark=rings)
+    cache, token = prefilled_cache(model, context, batch, dspark=rings)
     block = model.config.text_config.dspark_block_size
     decoder = DeepseekV41CUDAGraphDecoder(model, cache, max_new_tokens=steps + width + block + 8,
                                           widest=block + 1 if draft else width)
@@ -211,7 +211,7 @@ def profile_decode(model, context: int, steps: int = 3, top: int = 50, width: in
     decoder.close()
     kernels = sorted((e for e in prof.key_averages() if e.self_device_time_total > 0),
                      key=lambda e: -e.self_device_time_total)
-    what = "drafter forward" if draft else f"{width}-token step"
+    what = "drafter forward" if draft else f"{width}-token step" + (f" of {batch} rows" if batch > 1 else "")
     print(f"top kernels of a replayed {what} (us per call, launches per call):")
     for e in kernels[:top]:
         print(f"K {e.self_device_time_total / steps:10.1f} {e.count // steps:6d}  {e.key[:100]}")
@@ -361,7 +361,8 @@ def main() -> None:
                         help="lengths run in bounded_replay only (exact at 64K is the slow path)")
     parser.add_argument("--no-eager", action="store_true")
     parser.add_argument("--no-dspark", action="store_true", help="skip the draft and verify step rows")
-    parser.add_argument("--profile", action="store_true", help="also profile graph-replayed batch-1 decode steps")
+    parser.add_argument("--profile", type=int, nargs="*", metavar="BATCH",
+                        help="also profile graph-replayed decode steps of these batch sizes (none given: 1)")
     parser.add_argument("--profile-verify", action="store_true",
                         help="also profile DSpark's graph-replayed verify step (block + 1 tokens, batch 1)")
     parser.add_argument("--profile-draft", action="store_true", help="also profile the drafter's replayed forward")
@@ -387,8 +388,8 @@ def main() -> None:
     decode_rows(model, args.context, args.batches, args.steps, args.bandwidth, eager=not args.no_eager)
     if not args.no_dspark:
         dspark_rows(model, args.context, args.steps)
-    if args.profile:
-        profile_decode(model, args.context)
+    for batch in [1] if args.profile == [] else args.profile or []:
+        profile_decode(model, args.context, batch=batch)
     if args.profile_verify:
         profile_decode(model, args.context, width=model.config.text_config.dspark_block_size + 1)
     if args.profile_draft:
