@@ -370,8 +370,9 @@ def _emulated_moe(tokens, experts, weights, stacks, limit, chunk=8):
                                                          (False, False, None)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_grouped_moe_matches_emulation(quantized, fp8_dot, f16_slices, dtype):
-    """Quantized experts by default take the rows formulation (moe_rows, at 9 tokens), f16_slices True the fp16
-    tensor-core slices, False the dequantized bf16 tiles: all the emulation's numbers up to fp32 summation order."""
+    """Quantized experts at 9 tokens (past the rows formulation) take by default the bf16 tiles with each FP4 value
+    times its scale (fp4_dot), f16_slices True the fp16 tensor-core slices, False the default: all the emulation's
+    numbers up to fp32 summation order."""
     n_experts, d, inter, top_k, t = 6, 64, 64, 3, 9
     stacks = _experts(n_experts, d, inter, quantized, seed=20)
     tokens = _randn(t, d, seed=23, dtype=dtype)

@@ -18,8 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (FMT_DENSE, FMT_FP4_ROW, FMT_FP8_ROW, arrive_last, cast, dot_k_range, fp4_f16_dot_k_range,
-                     sum_partials)
+from .common import (FMT_DENSE, FMT_FP4_ROW, FMT_FP8_ROW, FP4_ROW, arrive_last, cast, dot_k_range,
+                     fp4_f16_dot_k_range, sum_partials)
+from .fp4_dot import fp4_scaled_dot, slice_width
 from .linear import _TL_DTYPES, dot_dtype_for, launch_tile
 from .moe_grouped_gemm import grouped_gemm_moe, grouped_gemm_pays
 from .moe_rows import ROWS_TILE, rows_moe
@@ -55,11 +56,15 @@ def _expert_dot(w_ptr, s_ptr, x_ptr, xs_ptr, offs_n, rows, mask, k_start, k_stop
                 FP8_DOT: tl.constexpr, F16: tl.constexpr, X_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr,
                 IEEE: tl.constexpr):
     """[BN, BM] = one expert's weight rows times the block's activations over one split of K (F16: packed FP4 in
-    fp16 slices, see common.fp4_f16_dot_k_range; otherwise common.dot_k_range)."""
+    fp16 slices, see common.fp4_f16_dot_k_range; other packed FP4: fp4_dot.fp4_scaled_dot, the weights as int32
+    words; otherwise common.dot_k_range)."""
     acc = tl.full([BN, BM], 0.0, tl.float32)
     if F16:
         acc = fp4_f16_dot_k_range(acc, w_ptr, s_ptr, x_ptr, xs_ptr, offs_n, rows, mask, k_start, k_stop, N, K,
                                   stride_wn, stride_sn, stride_xm, stride_xsm, BK, IEEE)
+    elif WFMT == FP4_ROW and not FP8_DOT:  # masked rows hold token 0, and rows past N repeat the last
+        acc = fp4_scaled_dot(acc, w_ptr, s_ptr, x_ptr, tl.minimum(offs_n, N - 1), rows, k_start, k_stop, stride_wn,
+                             stride_sn, stride_xm, BK, IEEE)
     else:
         acc = dot_k_range(acc, w_ptr, s_ptr, x_ptr, xs_ptr, offs_n, rows, mask, k_start, k_stop, N, K, stride_wn,
                           stride_sn, stride_xm, stride_xsm, BK, WFMT, FP8_DOT, X_DTYPE, DOT_DTYPE, IEEE)
@@ -175,14 +180,15 @@ def grouped_moe(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
     - FP4 re-encoded by fp4_to_fp8_weight (fp8_experts=True): e4m3 [E, N, K] with the same scales,
     - dense (scales None): bf16/fp32 [E, N, K].
     Quantized experts: exact bf16 dots on weight tiles dequantized in registers (W4A16 with the QDQ'd activations:
-    the emulation's numbers up to fp32 summation order). fp8_dot=True: FP8 tensor cores (W4A8; e4m3 h and its
+    the emulation's numbers up to fp32 summation order; packed FP4 ones through fp4_dot.fp4_scaled_dot, each
+    value times its scale in bf16 so one dot spans every BK columns: at 32 tokens over 32 experts 749 -> 648 us
+    per layer against the f16 slices, H200). fp8_dot=True: FP8 tensor cores (W4A8; e4m3 h and its
     scales between the kernels), Hopper's FP8 dots summing below fp32 precision.
     rows (default: packed FP4 experts up to MOE_ROWS_MAX_TOKENS tokens, unless f16_slices or fp8_dot is asked): one
     activation row at a time on the CUDA cores (moe_rows.py), the same exact numbers without the tensor-core tiles'
     wasted rows and operand shuffles.
-    f16_slices (default: packed FP4 experts in the rest of the decode regime): the tensor-core tiles with fewer
-    operations per weight (common.fp4_f16_dot_k_range: the weights read as int32 words, e4m3 activations and h as
-    fp16 values with their scales).
+    f16_slices (asked for: benchmarks): packed FP4 tiles in 32-column fp16 slices (common.fp4_f16_dot_k_range: e4m3
+    activations and h as fp16 values with their scales, each slice's dot rescaled into the accumulator).
     grouped_gemm (default: packed FP4 experts and bf16 tokens past the decode regime where moe_grouped_gemm's
     grouped_gemm_pays): the experts dequantized to bf16 once and torch's grouped GEMM, the same exact numbers.
     `tile`/`k_chunks` override the regime's tiling and decode splits (benchmarks only)."""
@@ -230,10 +236,9 @@ def grouped_moe(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
         return _combine(contributions, order, shared)
     tile = tile or (MOE_DECODE_TILE if decode else MOE_PREFILL_TILE)
     chunks = (k_chunks or MOE_DECODE_K_CHUNK) if decode else {"up": d, "down": inter}
-    if f16_slices is None:
-        f16_slices = decode and fmt == FMT_FP4_ROW and not fp8_dot
-    elif f16_slices and (fmt != FMT_FP4_ROW or fp8_dot):
+    if f16_slices and (fmt != FMT_FP4_ROW or fp8_dot):
         raise ValueError("f16_slices takes packed FP4 experts and excludes fp8_dot")
+    f16_slices = bool(f16_slices)
     pair_of_row, block_expert, block_start, block_end, order = moe_schedule(experts, n_experts, tile["BM"])
     act_dtype = tokens.dtype
     pairs = t * top_k
@@ -255,24 +260,29 @@ def grouped_moe(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
                   IEEE=dot_dtype == torch.float32, FP8_DOT=fp8_dot, F16=f16_slices, WFMT=fmt, BN=tile["BN"],
                   BM=tile["BM"], BK=tile["BK"], num_warps=launched["num_warps"], num_stages=launched["num_stages"])
     nb = block_expert.shape[0]
-    if f16_slices:  # the packed bytes as int32 words (common.fp4_f16_dot_k_range)
+    scaled = fmt == FMT_FP4_ROW and not fp8_dot and not f16_slices  # fp4_dot.fp4_scaled_dot
+    if f16_slices or scaled:  # the packed bytes as int32 words
         w1, w3, w2 = (w.view(torch.int32) for w in (w1, w3, w2))
+    # fp4_scaled_dot's slices need no mask: BK divides K (and so each split)
+    up_tile, down_tile = (dict(tile, BK=slice_width(k, tile["BK"])) for k in (d, inter)) if scaled else (tile, tile)
     s1_arg, s_e, s_n = _scale_args(s1, w1)
     s3_arg, _, _ = _scale_args(s3, w3)
     xs_arg, hs_arg = (x, h) if xs is None else (xs, hs)
-    grid, part, count, k_chunk, splits = _split_launch(nb, inter, d, chunks["up"], tile, 2 * pairs, tokens.device)
+    grid, part, count, k_chunk, splits = _split_launch(nb, inter, d, chunks["up"], up_tile, 2 * pairs,
+                                                       tokens.device)
     _moe_up_kernel[grid](
         x, xs_arg, w1, s1_arg, w3, s3_arg, h, hs_arg, route, pair_of_row, block_expert, block_start, block_end,
         part, count, pairs, inter, d, k_chunk, splits, top_k, float(limit), x.stride(0), xs_arg.stride(0),
         w1.stride(0), w1.stride(1), s_e, s_n, h.stride(0), hs_arg.stride(0), H_DTYPE=_TL_DTYPES[act_dtype],
-        HAS_LIMIT=limit > 0, QDQ_OUT=quantized, **dtypes)
+        HAS_LIMIT=limit > 0, QDQ_OUT=quantized, **dict(dtypes, BK=up_tile["BK"]))
     contributions = torch.empty(pairs, d, dtype=act_dtype, device=tokens.device)
     s2_arg, s_e, s_n = _scale_args(s2, w2)
-    grid, part, count, k_chunk, splits = _split_launch(nb, d, inter, chunks["down"], tile, pairs, tokens.device)
+    grid, part, count, k_chunk, splits = _split_launch(nb, d, inter, chunks["down"], down_tile, pairs,
+                                                       tokens.device)
     _moe_down_kernel[grid](
         h, hs_arg, w2, s2_arg, contributions, pair_of_row, block_expert, block_start, block_end, part, count, pairs,
         d, inter, k_chunk, splits, h.stride(0), hs_arg.stride(0), w2.stride(0), w2.stride(1), s_e, s_n,
-        contributions.stride(0), **dtypes)
+        contributions.stride(0), **dict(dtypes, BK=down_tile["BK"]))
     return _combine(contributions, order, shared)
 
 

@@ -1,0 +1,100 @@
+"""Packed FP4 weights times bf16 activations on the tensor cores, each weight's E8M0 scale folded into its value.
+
+An e2m1 value times a power of two is exact in bf16 (two significant bits, fp32's exponent range), as are the QDQ'd
+activations (e4m3 values times powers of two), so one bf16 dot per BK columns with fp32 accumulation gives exact
+products whatever the scales; no per-32-column rescale of the accumulator. The nibbles become bf16 with a few
+integer operations: s|e1 e0|m placed as the bf16 bits s|0..0 e1 e0|m 0.. is the e2m1 value times 2^-126 for every
+code (normal and subnormal alike), and one packed bf16 multiply by 2^(scale byte - 1) makes it value x scale.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .common import e8m0_byte_value, fp4_nibble_value
+
+# in: $8 a word of eight nibbles (element 8w + i is nibble i), $9 the bf16x2 pair 2^(S-1) | 2^(S-1);
+# out: $0..$7 nibble i's value x 2^(S-127) in bf16 (pairs i, i + 4 computed in one 32-bit register)
+_FP4_BF16_ASM = tl.constexpr("""
+{
+.reg .b32 a, s, p;
+and.b32 a, $8, 0x00070007;
+and.b32 s, $8, 0x00080008;
+shl.b32 a, a, 6;
+shl.b32 s, s, 12;
+or.b32 p, a, s;
+mul.rn.bf16x2 p, p, $9;
+mov.b32 {$0, $4}, p;
+and.b32 a, $8, 0x00700070;
+and.b32 s, $8, 0x00800080;
+shl.b32 a, a, 2;
+shl.b32 s, s, 8;
+or.b32 p, a, s;
+mul.rn.bf16x2 p, p, $9;
+mov.b32 {$1, $5}, p;
+and.b32 a, $8, 0x07000700;
+and.b32 s, $8, 0x08000800;
+shr.b32 a, a, 2;
+shl.b32 s, s, 4;
+or.b32 p, a, s;
+mul.rn.bf16x2 p, p, $9;
+mov.b32 {$2, $6}, p;
+and.b32 a, $8, 0x70007000;
+and.b32 s, $8, 0x80008000;
+shr.b32 a, a, 6;
+or.b32 p, a, s;
+mul.rn.bf16x2 p, p, $9;
+mov.b32 {$3, $7}, p;
+}
+""")
+
+
+@triton.jit
+def _scaled_nibbles(word, byte, IEEE: tl.constexpr):
+    """The 8 nibbles of int32 words [R, W] times their words' E8M0 scales (bytes [R, W]) as 8 tensors [R, W]: bf16
+    from the PTX above, in the interpreter (which runs no PTX) the same values in fp32."""
+    if IEEE:
+        scale = 64.0 * e8m0_byte_value(byte)  # fp4_nibble_value is the value x 2^-6
+        v0, v1, v2, v3 = (fp4_nibble_value(word, 0) * scale, fp4_nibble_value(word, 1) * scale,
+                          fp4_nibble_value(word, 2) * scale, fp4_nibble_value(word, 3) * scale)
+        v4, v5, v6, v7 = (fp4_nibble_value(word, 4) * scale, fp4_nibble_value(word, 5) * scale,
+                          fp4_nibble_value(word, 6) * scale, fp4_nibble_value(word, 7) * scale)
+    else:
+        half = ((byte.to(tl.int32) & 0xFF) + 126) << 7  # bf16 bits of 2^(S-1) (S <= 128: fp4_scales_fold)
+        v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
+            _FP4_BF16_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [word, half | (half << 16)], (tl.bfloat16,) * 8, True, 1)
+    return v0, v1, v2, v3, v4, v5, v6, v7
+
+
+@triton.jit
+def fp4_scaled_dot(acc, w_ptr, s_ptr, x_ptr, rows_n, rows, k_start, k_stop, stride_wn, stride_sn, stride_xm,
+                   BK: tl.constexpr, IEEE: tl.constexpr):
+    """acc[BN, BM] += W[rows_n, k_start:k_stop] @ X[rows, k_start:k_stop]^T, one dot per BK columns. w_ptr views the
+    packed bytes as int32 words (stride_wn in words), s_ptr the E8M0 bytes per (row, 32 columns); x is QDQ'd bf16
+    (fp32 in the interpreter). No masks: rows_n and rows are valid rows (clamped by the caller), and k_stop -
+    k_start is a multiple of BK."""
+    W: tl.constexpr = BK // 8
+    words = rows_n[:, None] * stride_wn + tl.arange(0, W)[None, :]
+    scales = rows_n[:, None] * stride_sn + (tl.arange(0, W) // 4)[None, :]  # four words per 32 columns
+    x_cols = rows[None, :] * stride_xm + tl.arange(0, BK)[:, None]
+    for k in range(k_start, k_stop, BK):
+        word = tl.load(w_ptr + tl.multiple_of(k // 8, 4) + words)
+        byte = tl.load(s_ptr + k // 32 + scales)
+        v0, v1, v2, v3, v4, v5, v6, v7 = _scaled_nibbles(word, byte, IEEE)
+        # tl.join adds its pair as the last (fastest) axis: this tree puts element 8w + i at position 8w + i
+        w = tl.reshape(tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)), tl.join(tl.join(v1, v5), tl.join(v3, v7))),
+                       [rows_n.shape[0], BK])
+        x = tl.load(x_ptr + k + x_cols)
+        if IEEE:
+            acc = tl.dot(w, x.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, x, acc)
+    return acc
+
+
+def slice_width(k: int, bk: int) -> int:
+    """The widest of bk, bk/2, ... 32 that divides k (k a multiple of 32): fp4_scaled_dot's slices need no mask."""
+    while k % bk:
+        bk //= 2
+    return bk
