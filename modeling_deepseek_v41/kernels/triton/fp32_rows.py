@@ -18,6 +18,9 @@ from .common import arrive_last, reduce_sum, sum_partials
 from .workspace import split_buffers
 
 ROWS_TILE = {"BN": 32, "BK": 64, "BM": 4, "num_warps": 4, "num_stages": 3}
+# more than BM rows: 8 rows per program over 16 weight rows (the same BK, so the same sums: H200, the head at 6 rows
+# 1,115 -> 981 us, at 32 rows 3,795 -> 3,222 us; at one row ROWS_TILE's 690 us against 969)
+WIDE_ROWS_TILE = {"BN": 16, "BK": 64, "BM": 8, "num_warps": 4, "num_stages": 3}
 SPLIT_TARGET_PROGRAMS = 528  # a few programs per SM at one row: the head has 4,040 tiles, a compressor 16
 
 
@@ -62,11 +65,12 @@ def fp32_rows_linear(rows: torch.Tensor, weight: torch.Tensor, tile: dict | None
     """rows [M, K] (any float dtype, taken as fp32) times a weight [N, K]^T of any float dtype, taken as fp32 (or
     both as float64 for a float64 weight) -> [M, N] in fp32 (float64), exactly: fp32 products and sums in a fixed
     order. The split of K depends on (N, K) alone. `tile`/`split_target` override the tiling (benchmarks only)."""
-    tile = tile or ROWS_TILE
     m, k = rows.shape
+    split_tile = tile or ROWS_TILE  # the split from ROWS_TILE's tiles whatever the row count: the same sums
+    tile = tile or (ROWS_TILE if m <= ROWS_TILE["BM"] else WIDE_ROWS_TILE)
     n = weight.shape[0]
     k_blocks = triton.cdiv(k, tile["BK"])
-    wanted = max(1, triton.cdiv(split_target, triton.cdiv(n, tile["BN"])))
+    wanted = max(1, triton.cdiv(split_target, triton.cdiv(n, split_tile["BN"])))
     per_split = triton.cdiv(k_blocks, min(k_blocks, wanted))
     splits, k_chunk = triton.cdiv(k_blocks, per_split), per_split * tile["BK"]
     out = torch.empty(m, n, dtype=torch.float64 if weight.dtype == torch.float64 else torch.float32,
