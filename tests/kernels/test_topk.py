@@ -48,7 +48,7 @@ def _sorted_selection(scores: torch.Tensor, k: int, drop: bool) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("drop", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("width,k", SHAPES)
 def test_the_kernel_chooses_what_a_stable_sort_puts_first(width, k, dtype, drop):
     scores = _scores(width, dtype)

@@ -18,6 +18,7 @@ from .common import prefix_sum, reduce_max, reduce_sum
 _NEG_INF_KEY = tl.constexpr(0x007FFFFF)  # _ordered_key(-inf)
 _NAN_KEY = tl.constexpr(0xFFFFFFFF)
 _MAX_BLOCK = 4096
+_KEY_BYTES = {torch.bfloat16: 2, torch.float16: 3}
 
 
 @triton.jit
@@ -31,16 +32,18 @@ def _ordered_key(x):
 
 
 @triton.jit
-def _row_keys(s_ptr, start, N, BLOCK: tl.constexpr):
+def _row_keys(s_ptr, start, N, key_mask, BLOCK: tl.constexpr):
     idx = start + tl.arange(0, BLOCK)
     ok = idx < N
-    return idx, ok, _ordered_key(tl.load(s_ptr + idx, mask=ok, other=0.0).to(tl.float32))
+    return idx, ok, _ordered_key(tl.load(s_ptr + idx, mask=ok, other=0.0).to(tl.float32)) & key_mask
 
 
 @triton.jit
-def _topk_ascending_kernel(s_ptr, out_ptr, N, K, stride_s, stride_o, BLOCK: tl.constexpr, DROP: tl.constexpr):
+def _topk_ascending_kernel(s_ptr, out_ptr, N, K, stride_s, stride_o, BLOCK: tl.constexpr, DROP: tl.constexpr,
+                           KEY_BYTES: tl.constexpr):
     """out[row, :K] = the positions of row's K largest scores (ties to the earlier position), ascending; DROP:
-    positions scoring -inf (or NaN) are left out and the row is padded with -1."""
+    positions scoring -inf (or NaN) are left out and the row is padded with -1. KEY_BYTES: the keys' bytes that
+    that tell the scores apart (2 for bf16, whose keys carry them in their top 16 bits; 3 for fp16)."""
     row = tl.program_id(0).to(tl.int64)
     s_ptr += row * stride_s
     out_ptr += row * stride_o
@@ -48,11 +51,12 @@ def _topk_ascending_kernel(s_ptr, out_ptr, N, K, stride_s, stride_o, BLOCK: tl.c
     prefix = tl.full([], 0, tl.uint32)  # the k-th largest key's bytes found so far
     known = tl.full([], 0, tl.uint32)
     need = K  # how many of the keys matching `prefix` still belong to the top K
-    for r in tl.static_range(4):
+    key_mask = tl.full([], 0xFFFFFFFF, tl.uint32) << (32 - 8 * KEY_BYTES)
+    for r in tl.static_range(KEY_BYTES):
         shift = 24 - 8 * r
         hist = tl.full([256], 0, tl.int32)
         for start in range(0, N, BLOCK):
-            idx, ok, key = _row_keys(s_ptr, start, N, BLOCK)
+            idx, ok, key = _row_keys(s_ptr, start, N, key_mask, BLOCK)
             match = ok & ((key & known) == prefix)
             hist += tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=match)
         at_least = reduce_sum(hist, 0) - prefix_sum(hist, 0) + hist  # matching keys with this byte or a larger one
@@ -63,12 +67,12 @@ def _topk_ascending_kernel(s_ptr, out_ptr, N, K, stride_s, stride_o, BLOCK: tl.c
     taken = 0
     ties = 0
     for start in range(0, N, BLOCK):
-        idx, ok, key = _row_keys(s_ptr, start, N, BLOCK)
+        idx, ok, key = _row_keys(s_ptr, start, N, key_mask, BLOCK)
         tie = (ok & (key == prefix)).to(tl.int32)
         first_ties = (ties + prefix_sum(tie, 0) - tie) < need
         chosen = (ok & (key > prefix)) | ((tie != 0) & first_ties)
         if DROP:
-            chosen &= (key > _NEG_INF_KEY) & (key != _NAN_KEY)
+            chosen &= (key > (_NEG_INF_KEY & key_mask)) & (key != (_NAN_KEY & key_mask))
         pick = chosen.to(tl.int32)
         tl.store(out_ptr + taken + prefix_sum(pick, 0) - pick, idx.to(tl.int64), mask=chosen)
         taken += reduce_sum(pick, 0)
@@ -92,5 +96,6 @@ def topk_ascending(scores: torch.Tensor, k: int, drop_unreachable: bool) -> torc
     if rows.shape[0]:
         block = min(max(triton.next_power_of_2(width), 256), _MAX_BLOCK)
         _topk_ascending_kernel[(rows.shape[0],)](rows, out, width, k, rows.stride(0), out.stride(0), BLOCK=block,
-                                                 DROP=drop_unreachable, num_warps=8 if block >= 2048 else 4)
+                                                 DROP=drop_unreachable, KEY_BYTES=_KEY_BYTES.get(scores.dtype, 4),
+                                                 num_warps=8 if block >= 2048 else 4)
     return out.view(*scores.shape[:-1], k)
