@@ -14,7 +14,8 @@ import triton.language as tl
 
 from .common import e8m0_byte_value, fp4_nibble_value
 
-# in: $8 a word of eight nibbles (element 8w + i is nibble i), $9 the bf16x2 pair 2^(S-1) | 2^(S-1);
+# in: $8 a word of eight nibbles (element 8w + i is nibble i), $9 and $10 bf16x2 pairs of powers of two whose
+# product is 2^(S-1) (2^(S-1) and 1, or 2^127 and 2^(S-128) past bf16's largest power, S > 128);
 # out: $0..$7 nibble i's value x 2^(S-127) in bf16 (pairs i, i + 4 computed in one 32-bit register)
 _FP4_BF16_ASM = tl.constexpr("""
 {
@@ -25,6 +26,7 @@ shl.b32 a, a, 6;
 shl.b32 s, s, 12;
 or.b32 p, a, s;
 mul.rn.bf16x2 p, p, $9;
+mul.rn.bf16x2 p, p, $10;
 mov.b32 {$0, $4}, p;
 and.b32 a, $8, 0x00700070;
 and.b32 s, $8, 0x00800080;
@@ -32,6 +34,7 @@ shl.b32 a, a, 2;
 shl.b32 s, s, 8;
 or.b32 p, a, s;
 mul.rn.bf16x2 p, p, $9;
+mul.rn.bf16x2 p, p, $10;
 mov.b32 {$1, $5}, p;
 and.b32 a, $8, 0x07000700;
 and.b32 s, $8, 0x08000800;
@@ -39,12 +42,14 @@ shr.b32 a, a, 2;
 shl.b32 s, s, 4;
 or.b32 p, a, s;
 mul.rn.bf16x2 p, p, $9;
+mul.rn.bf16x2 p, p, $10;
 mov.b32 {$2, $6}, p;
 and.b32 a, $8, 0x70007000;
 and.b32 s, $8, 0x80008000;
 shr.b32 a, a, 6;
 or.b32 p, a, s;
 mul.rn.bf16x2 p, p, $9;
+mul.rn.bf16x2 p, p, $10;
 mov.b32 {$3, $7}, p;
 }
 """)
@@ -61,9 +66,12 @@ def _scaled_nibbles(word, byte, IEEE: tl.constexpr):
         v4, v5, v6, v7 = (fp4_nibble_value(word, 4) * scale, fp4_nibble_value(word, 5) * scale,
                           fp4_nibble_value(word, 6) * scale, fp4_nibble_value(word, 7) * scale)
     else:
-        half = ((byte.to(tl.int32) & 0xFF) + 126) << 7  # bf16 bits of 2^(S-1) (S <= 128: fp4_scales_fold)
+        s = byte.to(tl.int32) & 0xFF
+        first = tl.where(s > 128, 254, s + 126) << 7  # bf16 bits of 2^127 or of 2^(S-1)
+        second = tl.where(s > 128, s - 1, 127) << 7  # of 2^(S-128) or of 1
         v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
-            _FP4_BF16_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [word, half | (half << 16)], (tl.bfloat16,) * 8, True, 1)
+            _FP4_BF16_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [word, first | (first << 16), second | (second << 16)],
+            (tl.bfloat16,) * 8, True, 1)
     return v0, v1, v2, v3, v4, v5, v6, v7
 
 
