@@ -390,6 +390,25 @@ def test_grouped_moe_matches_emulation(quantized, fp8_dot, f16_slices, dtype):
         assert _rel(out8, ref) < 2e-3
 
 
+def test_fp4_tiles_stay_exact_for_scales_past_two():
+    """The FP4 tiles fold each E8M0 scale into bf16 values through powers of two that bf16 must hold: weight rows
+    whose scale bytes run from about 105 to 145 (past 128, where 2^(S-1) leaves bf16's range) give the
+    emulation's numbers as the ordinary ones do."""
+    n_experts, d, inter, top_k, t = 4, 64, 96, 2, 9
+    stacks = list(_experts(n_experts, d, inter, True, seed=70))
+    for i, (n, k) in ((0, (inter, d)), (4, (d, inter))):  # w1 and w2: a power of two per output row
+        dense = _randn(n_experts, n, k, seed=71 + i, scale=0.05).cpu() * 2.0 ** (torch.arange(n) % 41 - 20)[:, None]
+        packed = [numerics.quantize_fp4_weight(e) for e in dense]
+        stacks[i] = torch.stack([w for w, _ in packed]).to(DEVICE)
+        stacks[i + 1] = torch.stack([q for _, q in packed]).to(DEVICE)
+    bytes_ = stacks[1].view(torch.uint8)
+    assert bytes_.max() > 128 and bytes_.min() < 110
+    tokens = _randn(t, d, seed=73, dtype=torch.bfloat16)
+    experts, weights = _routing(t, n_experts, top_k, seed=74)
+    out = grouped_moe(tokens, experts, weights, *stacks, limit=10.0)  # 9 tokens: the tiles
+    assert _rel(out, _emulated_moe(tokens, experts, weights, stacks, limit=10.0)) < 2e-3
+
+
 @pytest.mark.parametrize("per_group", [2, 6])
 def test_grouped_moe_through_the_grouped_gemm_matches_emulation(monkeypatch, per_group):
     """A prefill's packed FP4 experts on a Hopper: bf16 copies of the experts and torch's grouped GEMM (forced
