@@ -4,7 +4,8 @@ An e2m1 value times a power of two is exact in bf16 (two significant bits, fp32'
 activations (e4m3 values times powers of two), so one bf16 dot per BK columns with fp32 accumulation gives exact
 products whatever the scales; no per-32-column rescale of the accumulator. The nibbles become bf16 with a few
 integer operations: s|e1 e0|m placed as the bf16 bits s|0..0 e1 e0|m 0.. is the e2m1 value times 2^-126 for every
-code (normal and subnormal alike), and one packed bf16 multiply by 2^(scale byte - 1) makes it value x scale.
+code (normal and subnormal alike), and packed bf16 multiplies by powers of two whose product is 2^(scale byte - 1)
+make it value x scale.
 """
 
 from __future__ import annotations
