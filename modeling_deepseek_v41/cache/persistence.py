@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -35,7 +36,7 @@ def content_checksum(metadata: dict[str, str], tensors: dict[str, torch.Tensor])
     for name in sorted(tensors):
         tensor = tensors[name].contiguous()
         digest.update(f"|{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
-        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy())  # the buffer itself: no copy
     return digest.hexdigest()
 
 
@@ -124,10 +125,19 @@ def load_cache(cache_class, path: str | os.PathLike, model, dspark: bool, crop_h
     if metadata.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{path} has cache format {metadata.get('format_version')!r}; this code reads "
                          f"{FORMAT_VERSION!r}: save the prefix again with this version.")
-    if metadata.get("checksum") != content_checksum(metadata, tensors):
+    # the checksum (hashlib hashes without the GIL) beside the weights digest, a corrupted file still reported first
+    with ThreadPoolExecutor(max_workers=1) as worker:
+        checksum = worker.submit(content_checksum, metadata, tensors)
+        try:
+            mismatch, failure = fingerprint_mismatch(metadata, model), None
+        except Exception as error:  # noqa: BLE001  (raised below unless the file is corrupted)
+            mismatch, failure = None, error
+        intact = metadata.get("checksum") == checksum.result()
+    if not intact:
         raise ValueError(f"{path} is corrupted: its header or payload fails its checksum (sha256); save the prefix "
                          "again.")
-    mismatch = fingerprint_mismatch(metadata, model)
+    if failure is not None:
+        raise failure
     if mismatch is not None:
         raise ValueError(f"{path} was saved from another model: {mismatch}. A prefix cache can only be restored "
                          "into the model (weights, tokenizer, config) that wrote it; save it again from this one.")
