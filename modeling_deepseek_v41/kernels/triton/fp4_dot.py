@@ -57,22 +57,40 @@ mov.b32 {$3, $7}, p;
 
 
 @triton.jit
-def _scaled_nibbles(word, byte, IEEE: tl.constexpr):
-    """The 8 nibbles of int32 words [R, W] times their words' E8M0 scales (bytes [R, W]) as 8 tensors [R, W]: bf16
-    from the PTX above, in the interpreter (which runs no PTX) the same values in fp32."""
+def _scale_operands(byte, IEEE: tl.constexpr):
+    """What the nibbles of a 32-column group are multiplied by, from its E8M0 bytes [R, G]: the PTX's two bf16x2
+    powers of two (int32), or in the interpreter the fp32 scale (twice, x 2^6 undoing fp4_nibble_value's 2^-6)."""
     if IEEE:
-        scale = 64.0 * e8m0_byte_value(byte)  # fp4_nibble_value is the value x 2^-6
-        v0, v1, v2, v3 = (fp4_nibble_value(word, 0) * scale, fp4_nibble_value(word, 1) * scale,
-                          fp4_nibble_value(word, 2) * scale, fp4_nibble_value(word, 3) * scale)
-        v4, v5, v6, v7 = (fp4_nibble_value(word, 4) * scale, fp4_nibble_value(word, 5) * scale,
-                          fp4_nibble_value(word, 6) * scale, fp4_nibble_value(word, 7) * scale)
+        first = 64.0 * e8m0_byte_value(byte)
+        second = first
     else:
         s = byte.to(tl.int32) & 0xFF
         first = tl.where(s > 128, 254, s + 126) << 7  # bf16 bits of 2^127 or of 2^(S-1)
         second = tl.where(s > 128, s - 1, 127) << 7  # of 2^(S-128) or of 1
+        first = first | (first << 16)
+        second = second | (second << 16)
+    return first, second
+
+
+@triton.jit
+def _per_word(group_values, W: tl.constexpr):
+    """[R, W/4] values of the 32-column groups repeated for their four words: [R, W]."""
+    R: tl.constexpr = group_values.shape[0]
+    return tl.reshape(tl.broadcast_to(group_values[:, :, None], [R, W // 4, 4]), [R, W])
+
+
+@triton.jit
+def _scaled_nibbles(word, first, second, IEEE: tl.constexpr):
+    """The 8 nibbles of int32 words [R, W] times their words' scales (_scale_operands, per word) as 8 tensors
+    [R, W]: bf16 from the PTX above, in the interpreter (which runs no PTX) the same values in fp32."""
+    if IEEE:
+        v0, v1, v2, v3 = (fp4_nibble_value(word, 0) * first, fp4_nibble_value(word, 1) * first,
+                          fp4_nibble_value(word, 2) * first, fp4_nibble_value(word, 3) * first)
+        v4, v5, v6, v7 = (fp4_nibble_value(word, 4) * first, fp4_nibble_value(word, 5) * first,
+                          fp4_nibble_value(word, 6) * first, fp4_nibble_value(word, 7) * first)
+    else:
         v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
-            _FP4_BF16_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [word, first | (first << 16), second | (second << 16)],
-            (tl.bfloat16,) * 8, True, 1)
+            _FP4_BF16_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [word, first, second], (tl.bfloat16,) * 8, True, 1)
     return v0, v1, v2, v3, v4, v5, v6, v7
 
 
@@ -87,18 +105,17 @@ def fp4_scaled_dot(acc, w_ptr, s_ptr, x_ptr, rows_n, rows, k_start, k_stop, stri
     BN: tl.constexpr = rows_n.shape[0]
     words = rows_n[:, None] * stride_wn + tl.arange(0, W)[None, :]
     scales = rows_n[:, None] * stride_sn + tl.arange(0, W // 4)[None, :]
-    x_cols = rows[None, :] * stride_xm + tl.arange(0, BK)[:, None]
+    x_cols = rows[:, None] * stride_xm + tl.arange(0, BK)[None, :]  # [BM, BK]: K contiguous, vector loads
     for k in range(k_start, k_stop, BK):
         word = tl.load(w_ptr + tl.multiple_of(k // 8, 4) + words)
-        # one byte per 32 columns, then repeated for its four words: loading the words' byte offsets directly gave
-        # the unpacked tile a row-major layout stored to shared memory 16 bits at a time (sm_90 SASS: 80 stores
-        # per loop iteration, 25 this way)
-        byte = tl.reshape(tl.broadcast_to(tl.load(s_ptr + k // 32 + scales)[:, :, None], [BN, W // 4, 4]), [BN, W])
-        v0, v1, v2, v3, v4, v5, v6, v7 = _scaled_nibbles(word, byte, IEEE)
+        # the multipliers from one byte per 32 columns, then repeated for its four words (loading the words' byte
+        # offsets directly gave the unpacked tile a layout stored to shared memory 16 bits at a time)
+        first, second = _scale_operands(tl.load(s_ptr + k // 32 + scales), IEEE)
+        v0, v1, v2, v3, v4, v5, v6, v7 = _scaled_nibbles(word, _per_word(first, W), _per_word(second, W), IEEE)
         # tl.join adds its pair as the last (fastest) axis: this tree puts element 8w + i at position 8w + i
         w = tl.reshape(tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)), tl.join(tl.join(v1, v5), tl.join(v3, v7))),
                        [BN, BK])
-        x = tl.load(x_ptr + k + x_cols)
+        x = tl.trans(tl.load(x_ptr + k + x_cols))
         if IEEE:
             acc = tl.dot(w, x.to(tl.float32), acc, input_precision="ieee")
         else:
