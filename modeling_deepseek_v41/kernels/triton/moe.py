@@ -62,9 +62,9 @@ def _expert_dot(w_ptr, s_ptr, x_ptr, xs_ptr, offs_n, rows, mask, k_start, k_stop
     if F16:
         acc = fp4_f16_dot_k_range(acc, w_ptr, s_ptr, x_ptr, xs_ptr, offs_n, rows, mask, k_start, k_stop, N, K,
                                   stride_wn, stride_sn, stride_xm, stride_xsm, BK, IEEE)
-    elif WFMT == FP4_ROW and not FP8_DOT:  # masked rows hold token 0, and rows past N repeat the last
-        acc = fp4_scaled_dot(acc, w_ptr, s_ptr, x_ptr, tl.minimum(offs_n, N - 1), rows, k_start, k_stop, stride_wn,
-                             stride_sn, stride_xm, BK, IEEE)
+    elif WFMT == FP4_ROW and not FP8_DOT:  # rows past the block read row 0, weight rows past N the last
+        acc = fp4_scaled_dot(acc, w_ptr, s_ptr, x_ptr, tl.minimum(offs_n, N - 1), tl.where(mask, rows, 0), k_start,
+                             k_stop, stride_wn, stride_sn, stride_xm, BK, IEEE)
     else:
         acc = dot_k_range(acc, w_ptr, s_ptr, x_ptr, xs_ptr, offs_n, rows, mask, k_start, k_stop, N, K, stride_wn,
                           stride_sn, stride_xm, stride_xsm, BK, WFMT, FP8_DOT, X_DTYPE, DOT_DTYPE, IEEE)
