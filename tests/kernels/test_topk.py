@@ -1,6 +1,6 @@
 """The radix-select top-k (kernels/triton/topk.py) chooses the positions a stable descending sort puts first.
 
-Ties (many equal scores, -0.0 against +0.0), rows of -inf, NaN, widths below, at and past one block, bf16 and
+Ties (many equal scores, -0.0 against +0.0), rows of -inf, NaN, widths below, at and past one block, bf16, fp16 and
 fp32 scores, with and without dropping the unreachable (-inf) picks. Without a GPU the kernel runs in Triton's
 interpreter (the same program the GPU compiles); with one the same cases run compiled, plus the released widths.
 """
