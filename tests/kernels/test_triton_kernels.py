@@ -288,6 +288,9 @@ def test_fp32_weights_multiply_exactly_in_a_fixed_order():
     assert _rel(fp32_rows_linear(x, w, split_target=64), exact) < FP32_BOUND
     _check_batch_invariance(lambda t: fp32_rows_linear(t, w, split_target=64), x)
     _check_batch_invariance(lambda t: dense_linear(t, w), x)
+    gate, rows = _randn(32, 2048, seed=42, scale=0.05), _randn(6, 2048, seed=43)  # one tile: K split MAX_SPLITS ways
+    assert _rel(fp32_rows_linear(rows.double(), gate.double()), rows.double() @ gate.double().t()) < 1e-12
+    _check_batch_invariance(lambda t: fp32_rows_linear(t, gate), rows)
 
 
 def test_the_routers_fp32_linear_needs_no_fp32_copies():

@@ -22,6 +22,10 @@ ROWS_TILE = {"BN": 32, "BK": 64, "BM": 4, "num_warps": 4, "num_stages": 3}
 # 1,115 -> 981 us, at 32 rows 3,795 -> 3,222 us; at one row ROWS_TILE's 690 us against 969)
 WIDE_ROWS_TILE = {"BN": 16, "BK": 64, "BM": 8, "num_warps": 4, "num_stages": 3}
 SPLIT_TARGET_PROGRAMS = 528  # a few programs per SM at one row: the head has 4,040 tiles, a compressor 16
+# the last program of a tile adds its partials four per L2 round trip: a narrow weight (a router gate over 32
+# experts is one tile) split 80 ways waited 20 round trips (H200: ~9 us per gate launch for 0.65 MB; not yet timed
+# with the cap)
+MAX_SPLITS = 16
 
 
 @triton.jit
@@ -70,7 +74,7 @@ def fp32_rows_linear(rows: torch.Tensor, weight: torch.Tensor, tile: dict | None
     tile = tile or (ROWS_TILE if m <= ROWS_TILE["BM"] else WIDE_ROWS_TILE)
     n = weight.shape[0]
     k_blocks = triton.cdiv(k, tile["BK"])
-    wanted = max(1, triton.cdiv(split_target, triton.cdiv(n, split_tile["BN"])))
+    wanted = max(1, min(MAX_SPLITS, triton.cdiv(split_target, triton.cdiv(n, split_tile["BN"]))))
     per_split = triton.cdiv(k_blocks, min(k_blocks, wanted))
     splits, k_chunk = triton.cdiv(k_blocks, per_split), per_split * tile["BK"]
     out = torch.empty(m, n, dtype=torch.float64 if weight.dtype == torch.float64 else torch.float32,
