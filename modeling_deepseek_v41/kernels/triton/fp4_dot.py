@@ -15,45 +15,24 @@ import triton.language as tl
 
 from .common import e8m0_byte_value, fp4_nibble_value
 
+
+def _nibble_pair_ptx(i: int) -> str:
+    """PTX for nibbles i and i + 4 of word $8: their bits s|e1 e0|m placed as bf16 bits (value x 2^-126, see the
+    module docstring), times the multipliers $9 and $10, into outputs $i and $(i+4)."""
+    value_shift, sign_shift = 6 - 4 * i, 12 - 4 * i
+    lines = [f"and.b32 a, $8, 0x{0x00070007 << 4 * i:08X};", f"and.b32 s, $8, 0x{0x00080008 << 4 * i:08X};",
+             f"shl.b32 a, a, {value_shift};" if value_shift >= 0 else f"shr.b32 a, a, {-value_shift};"]
+    if sign_shift:
+        lines.append(f"shl.b32 s, s, {sign_shift};")
+    lines += ["or.b32 p, a, s;", "mul.rn.bf16x2 p, p, $9;", "mul.rn.bf16x2 p, p, $10;",
+              f"mov.b32 {{${i}, ${i + 4}}}, p;"]
+    return "\n".join(lines)
+
+
 # in: $8 a word of eight nibbles (element 8w + i is nibble i), $9 and $10 bf16x2 pairs of powers of two whose
 # product is 2^(S-1) (2^(S-1) and 1, or 2^127 and 2^(S-128) past bf16's largest power, S > 128);
 # out: $0..$7 nibble i's value x 2^(S-127) in bf16 (pairs i, i + 4 computed in one 32-bit register)
-_FP4_BF16_ASM = tl.constexpr("""
-{
-.reg .b32 a, s, p;
-and.b32 a, $8, 0x00070007;
-and.b32 s, $8, 0x00080008;
-shl.b32 a, a, 6;
-shl.b32 s, s, 12;
-or.b32 p, a, s;
-mul.rn.bf16x2 p, p, $9;
-mul.rn.bf16x2 p, p, $10;
-mov.b32 {$0, $4}, p;
-and.b32 a, $8, 0x00700070;
-and.b32 s, $8, 0x00800080;
-shl.b32 a, a, 2;
-shl.b32 s, s, 8;
-or.b32 p, a, s;
-mul.rn.bf16x2 p, p, $9;
-mul.rn.bf16x2 p, p, $10;
-mov.b32 {$1, $5}, p;
-and.b32 a, $8, 0x07000700;
-and.b32 s, $8, 0x08000800;
-shr.b32 a, a, 2;
-shl.b32 s, s, 4;
-or.b32 p, a, s;
-mul.rn.bf16x2 p, p, $9;
-mul.rn.bf16x2 p, p, $10;
-mov.b32 {$2, $6}, p;
-and.b32 a, $8, 0x70007000;
-and.b32 s, $8, 0x80008000;
-shr.b32 a, a, 6;
-or.b32 p, a, s;
-mul.rn.bf16x2 p, p, $9;
-mul.rn.bf16x2 p, p, $10;
-mov.b32 {$3, $7}, p;
-}
-""")
+_FP4_BF16_ASM = tl.constexpr("{\n.reg .b32 a, s, p;\n" + "\n".join(_nibble_pair_ptx(i) for i in range(4)) + "\n}")
 
 
 @triton.jit
@@ -124,7 +103,7 @@ def fp4_scaled_dot(acc, w_ptr, s_ptr, x_ptr, rows_n, rows, k_start, k_stop, stri
 
 
 def slice_width(k: int, bk: int) -> int:
-    """The widest of bk, bk/2, ... 32 that divides k (k a multiple of 32): fp4_scaled_dot's slices need no mask."""
+    """The widest of bk, bk/2, ... 32 that divides k (k a multiple of 32): the FP4 kernels' slices need no mask."""
     while k % bk:
         bk //= 2
     return bk

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from .common import arrive_last, cast, e8m0_byte_value, fp4_word_nibbles, reduce_sum, sum_partials
+from .fp4_dot import slice_width
 from .linear import _TL_DTYPES
 from .moe_swiglu import swiglu_store
 from .quant import fp8_act_qdq
@@ -165,16 +166,9 @@ def _moe_rows_down_kernel(h_ptr, w2_ptr, s2_ptr, c_ptr, pair_ptr, block_expert_p
                              cast(cast(acc, ROUND_DTYPE).to(tl.float32), c_ptr.dtype.element_ty), mask=offs_n < N)
 
 
-def _slice_width(k: int, bk: int) -> int:
-    """The widest of bk, bk/2, ... 32 that divides k (k is a multiple of 32): the kernels' slices need no mask."""
-    while k % bk:
-        bk //= 2
-    return bk
-
-
 def _launch(blocks: int, n: int, k: int, chunk: int, bn: int, bk: int, partial_rows: int, device: torch.device):
     """(grid, partials, counts, K columns per split, splits, slice width) of one projection."""
-    bk = _slice_width(k, bk)
+    bk = slice_width(k, bk)
     k_chunk = triton.cdiv(min(chunk, k), bk) * bk
     splits = triton.cdiv(k, k_chunk)
     grid = (blocks, triton.cdiv(n, bn), splits)
