@@ -13,6 +13,7 @@ import pytest
 import torch
 
 triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
 CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"  # read when a kernel is defined, so before the kernel modules load
@@ -23,6 +24,7 @@ from modeling_deepseek_v41.kernels.triton import (  # noqa: E402
     dense_linear, fp4_linear, fp4_to_fp8_weight, fp8_act_qdq, fp8_act_quant, fp8_linear, fp8_row_linear,
     grouped_linear, grouped_moe,
 )
+from modeling_deepseek_v41.kernels.triton.common import cast  # noqa: E402
 from modeling_deepseek_v41.kernels.triton.linear import (  # noqa: E402
     DECODE_MAX_ROWS, DECODE_TILE, SPLIT_TARGET_PROGRAMS, split_count,
 )
@@ -85,6 +87,31 @@ def test_act_qdq_is_bit_exact(dtype):
     q, s = fp8_act_quant(x)
     assert torch.equal((q.float().unflatten(-1, (-1, 32)) * s.unsqueeze(-1)).flatten(-2).to(dtype),
                        numerics.fp8_act_qdq(x))
+
+
+@triton.jit
+def _bf16_cast_kernel(x_ptr, out_ptr, n, N: tl.constexpr):
+    offsets = tl.arange(0, N)
+    tl.store(out_ptr + offsets, cast(tl.load(x_ptr + offsets, mask=offsets < n), tl.bfloat16), mask=offsets < n)
+
+
+def test_bf16_cast_rounds_to_nearest_even():
+    """The kernels' fp32 -> bf16 rounding (compiled: the conversion instruction; interpreted: integer arithmetic) is
+    torch's: ties to even, carries into the exponent, subnormals, overflow to infinity, NaN kept."""
+    special = [0x3F808000, 0x3F818000, 0x3F7FFFFF, 0x7F7FFFFF, 0x7F7F8000, 0x00008000, 0x00018000, 0x00007FFF,
+               0x7F800000, 0x7FC00000, 0x00000000, 0x3F800001]
+    bits = torch.cat([torch.tensor(special, dtype=torch.int64), torch.randint(0, 1 << 32, (4096 - len(special),),
+                                                                               generator=_gen(8))])
+    bits = torch.cat([bits, bits | (1 << 31)]).to(torch.int64)
+    x = torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32).view(torch.float32)
+    if not CUDA:  # the interpreter's own fp32 -> bf16 conversion flushes subnormal results to zero
+        x = x[(x.abs() >= torch.finfo(torch.float32).tiny) | (x == 0) | x.isnan()]
+    out = torch.empty(x.shape, dtype=torch.bfloat16, device=DEVICE)
+    _bf16_cast_kernel[(1,)](x.to(DEVICE), out, x.numel(), N=8192)
+    expected = x.to(torch.bfloat16)
+    assert torch.equal(out.cpu().isnan(), expected.isnan())
+    finite = ~expected.isnan()
+    assert torch.equal(out.cpu()[finite].view(torch.int16), expected[finite].view(torch.int16))
 
 
 def test_fp4_to_fp8_reencode_is_exact():

@@ -15,6 +15,8 @@ FMT_FP4_ROW = 2  # packed e2m1 [N, K/2] (even element in the low nibble), E8M0 s
 FMT_FP8_ROW = 3  # e4m3 [N, K] re-encoded from FP4 (values exact), E8M0 scale per (row, 32) [N, K/32]
 # the same codes as compile-time constants, for the kernels' branches on their WFMT argument (the launches pass ints)
 DENSE, FP8_TILE, FP4_ROW = tl.constexpr(FMT_DENSE), tl.constexpr(FMT_FP8_TILE), tl.constexpr(FMT_FP4_ROW)
+# read when the kernels are defined, as triton.jit does to pick the interpreter
+INTERPRETED = tl.constexpr(bool(triton.knobs.runtime.interpret))
 
 
 @triton.jit
@@ -35,11 +37,11 @@ def round_e4m3(v):
 
 @triton.jit
 def cast(x, DTYPE: tl.constexpr):
-    """fp32 -> DTYPE rounding to nearest even; bf16 done in integer arithmetic (Triton's interpreter truncates).
-    A tensor already in DTYPE is returned as it is (no work per element)."""
+    """fp32 -> DTYPE rounding to nearest even: compiled, the conversion instruction; interpreted, bf16 in integer
+    arithmetic (the interpreter rounds half up). A tensor already in DTYPE is returned as it is."""
     if x.dtype == DTYPE:
         out = x
-    elif DTYPE == tl.bfloat16:
+    elif DTYPE == tl.bfloat16 and INTERPRETED:
         bits = x.to(tl.float32).to(tl.int32, bitcast=True)
         out = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True).to(tl.bfloat16)
     else:
