@@ -53,6 +53,8 @@ PREFILL_TILES = Tiles(logit_entries=64, qk_chunk=128, logit_warps=4, block_heads
 # result bit for bit), not each entry per query (H200, 16K exact prefill: 3,256 -> 2,851 ms)
 PREFILL_TABLES = True
 LOGITS_BYTES = 1 << 28  # the most a launch's logits take (a long prefill runs its rows in slices)
+# rows are a grid's second axis (limit 65,535), so a row's programs run next to each other and share its q and logits
+MAX_GRID_ROWS = 65535
 
 
 @triton.jit
@@ -80,11 +82,11 @@ def _query_chunk(q_ptr, rot_ptr, r, heads, h_ok, H, c0, D: tl.constexpr, ROPE: t
                  ACC: tl.constexpr, DOT: tl.constexpr):
     """Dims c0 .. c0+DC of the row's queries [BH, DC] after RoPE, rounded to q's dtype as the reference's are."""
     q = tl.load(q_ptr + (r * H + heads)[:, None] * D + c0 + tl.arange(0, DC)[None, :], mask=h_ok[:, None],
-                other=0.0).to(ACC)
-    if c0 + DC > D - ROPE:
-        even, odd = _rope_chunk(q, rot_ptr, r, c0, D, ROPE, False, ACC)
-        q = tl.reshape(tl.join(even, odd), [q.shape[0], DC])
-    return cast(q, q_ptr.dtype.element_ty).to(DOT)
+                other=0.0)
+    if c0 + DC > D - ROPE:  # only the chunks that RoPE rotates are rounded again
+        even, odd = _rope_chunk(q.to(ACC), rot_ptr, r, c0, D, ROPE, False, ACC)
+        q = cast(tl.reshape(tl.join(even, odd), [q.shape[0], DC]), q_ptr.dtype.element_ty)
+    return q.to(DOT)
 
 
 @triton.jit
@@ -154,26 +156,39 @@ def _block_entries(j, lane, r, b, p, lowest, lowest_visible, width, ring_size, n
 
 
 @triton.jit
-def _table_chunk(table_ptr, index, valid, c0, D: tl.constexpr, DC: tl.constexpr, DOT: tl.constexpr):
-    """Dims c0 .. c0+DC of a dequantized table's rows `index` [BL] (zero where not valid)."""
-    values = tl.load(table_ptr + index[:, None] * D + c0 + tl.arange(0, DC)[None, :], mask=valid[:, None], other=0.0)
-    return values.to(DOT)
+def _entry_list_kernel(entries_ptr, pos_ptr, floor_ptr, ring_pos_ptr, topk_ptr, S, window, width, ring_size, n_topk,
+                       n_blocks, stride_rpb, stride_tr, row0, BL: tl.constexpr, HAS_FLOOR: tl.constexpr):
+    """Prefill: block j of row r's entries (rows row0 onward) as rows of its batch row's dequantized table (a zero
+    row for none, the ring's slots from 1, the pool's rows from 1 + ring_size), so that both phases gather each
+    block with unmasked loads."""
+    r = row0 + tl.program_id(1).to(tl.int64)
+    j = tl.program_id(0)
+    lane = tl.arange(0, BL)
+    b, p, lowest, lowest_visible = _query_row(r, S, pos_ptr, floor_ptr, window, HAS_FLOOR)
+    slot, window_ok, row, pool_ok = _block_entries(j, lane, r, b, p, lowest, lowest_visible, width, ring_size,
+                                                   n_topk, ring_pos_ptr, topk_ptr, stride_rpb, stride_tr, BL,
+                                                   HAS_FLOOR)
+    entry = tl.where(window_ok, 1 + slot, tl.where(pool_ok, 1 + ring_size + row, 0))
+    tl.store(entries_ptr + ((r - row0) * n_blocks + j) * BL + lane, entry.to(tl.int32))
+
+
+@triton.jit
+def _listed(entries_ptr, r, row0, j, lane, n_blocks, BL: tl.constexpr):
+    """Table rows of entries `lane` of block j of row r (0: none), from the entry list of rows row0 onward."""
+    return tl.load(entries_ptr + ((r - row0) * n_blocks + j) * BL + lane)
+
+
+@triton.jit
+def _table_chunk(table_ptr, entry, c0, D: tl.constexpr, DC: tl.constexpr, DOT: tl.constexpr):
+    """Dims c0 .. c0+DC of the dequantized table's rows `entry` [BL] (row 0 is zeros)."""
+    return tl.load(table_ptr + entry[:, None] * D + c0 + tl.arange(0, DC)[None, :]).to(DOT)
 
 
 @triton.jit
 def _entry_chunk(j, width, slot, window_ok, row, pool_ok, ring_codes, ring_scales, pool_codes, pool_scales, c0,
-                 D: tl.constexpr, BL: tl.constexpr, DC: tl.constexpr, DOT: tl.constexpr, TABLES: tl.constexpr):
-    """Dims c0 .. c0+DC of block j's entries [BL, DC] (zero where not valid), from the ring, the pool or both
-    (TABLES: ring_codes and pool_codes are their rows dequantized, [slots, D] and [rows, D] in DOT)."""
-    if TABLES:
-        if (j + 1) * BL <= width:
-            e = _table_chunk(ring_codes, slot, window_ok, c0, D, DC, DOT)
-        elif j * BL >= width:
-            e = _table_chunk(pool_codes, row, pool_ok, c0, D, DC, DOT)
-        else:
-            e = _table_chunk(ring_codes, slot, window_ok, c0, D, DC, DOT) + \
-                _table_chunk(pool_codes, row, pool_ok, c0, D, DC, DOT)
-    elif (j + 1) * BL <= width:
+                 D: tl.constexpr, BL: tl.constexpr, DC: tl.constexpr, DOT: tl.constexpr):
+    """Dims c0 .. c0+DC of block j's entries [BL, DC] (zero where not valid), from the ring, the pool or both."""
+    if (j + 1) * BL <= width:
         e = _window_chunk(ring_codes, ring_scales, slot, window_ok, c0, D, DC, DOT)
     elif j * BL >= width:
         e = _pool_chunk(pool_codes, pool_scales, row, pool_ok, c0, D, DC, DOT)
@@ -185,63 +200,76 @@ def _entry_chunk(j, width, slot, window_ok, row, pool_ok, ring_codes, ring_scale
 
 @triton.jit
 def _attention_logits_kernel(q_ptr, rot_ptr, logits_ptr, pos_ptr, floor_ptr, ring_codes_ptr, ring_scales_ptr,
-                             ring_pos_ptr, pool_codes_ptr, pool_scales_ptr, topk_ptr, S, H, window, width, ring_size,
-                             n_topk, n_blocks, softmax_scale, stride_rcb, stride_rsb, stride_rpb, stride_pcb,
+                             ring_pos_ptr, pool_codes_ptr, pool_scales_ptr, topk_ptr, entries_ptr, S, H, window, width,
+                             ring_size, n_topk, n_blocks, softmax_scale, stride_rcb, stride_rsb, stride_rpb, stride_pcb,
                              stride_psb, stride_tr, row0, D: tl.constexpr, ROPE: tl.constexpr, BH: tl.constexpr,
                              BL: tl.constexpr, LE: tl.constexpr, DC: tl.constexpr, HAS_FLOOR: tl.constexpr,
                              ACC: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, TABLES: tl.constexpr):
     """Phase 1: LE entries of block j of row r's entries dequantized once, their masked, scaled logits for BH heads
-    (every dim); the logits of rows row0 onward."""
-    r = row0 + tl.program_id(0).to(tl.int64)  # (r * H + head) * D passes 2^31 past 65,536 rows
-    j = tl.program_id(1) // (BL // LE)
+    (every dim); the logits of rows row0 onward. TABLES: the entries from the entry list and the dequantized table
+    at ring_codes_ptr."""
+    r = row0 + tl.program_id(1).to(tl.int64)  # (r * H + head) * D passes 2^31 past 65,536 rows
+    j = tl.program_id(0) // (BL // LE)
     heads = tl.program_id(2) * BH + tl.arange(0, BH)
     h_ok = heads < H
     b, p, lowest, lowest_visible = _query_row(r, S, pos_ptr, floor_ptr, window, HAS_FLOOR)
-    lane = tl.program_id(1) % (BL // LE) * LE + tl.arange(0, LE)
-    slot, window_ok, row, pool_ok = _block_entries(j, lane, r, b, p, lowest, lowest_visible, width, ring_size,
-                                                   n_topk, ring_pos_ptr, topk_ptr, stride_rpb, stride_tr, BL,
-                                                   HAS_FLOOR)
+    lane = tl.program_id(0) % (BL // LE) * LE + tl.arange(0, LE)
+    if TABLES:
+        entry = _listed(entries_ptr, r, row0, j, lane, n_blocks, BL)
+        valid = entry > 0
+    else:
+        slot, window_ok, row, pool_ok = _block_entries(j, lane, r, b, p, lowest, lowest_visible, width, ring_size,
+                                                       n_topk, ring_pos_ptr, topk_ptr, stride_rpb, stride_tr, BL,
+                                                       HAS_FLOOR)
+        valid = window_ok | pool_ok
     logits = tl.full([BH, LE], 0.0, ACC)
     for c0 in tl.static_range(0, D, DC):
         q = _query_chunk(q_ptr, rot_ptr, r, heads, h_ok, H, c0, D, ROPE, DC, ACC, DOT)
-        e = _entry_chunk(j, width, slot, window_ok, row, pool_ok, ring_codes_ptr + b * stride_rcb,
-                         ring_scales_ptr + b * stride_rsb, pool_codes_ptr + b * stride_pcb,
-                         pool_scales_ptr + b * stride_psb, c0, D, BL, DC, DOT, TABLES)
+        if TABLES:
+            e = _table_chunk(ring_codes_ptr + b * stride_rcb, entry, c0, D, DC, DOT)
+        else:
+            e = _entry_chunk(j, width, slot, window_ok, row, pool_ok, ring_codes_ptr + b * stride_rcb,
+                             ring_scales_ptr + b * stride_rsb, pool_codes_ptr + b * stride_pcb,
+                             pool_scales_ptr + b * stride_psb, c0, D, BL, DC, DOT)
         logits += _dot(q, tl.trans(e), IEEE)
-    logits = tl.where((window_ok | pool_ok)[None, :], logits, -float("inf")) * softmax_scale
+    logits = tl.where(valid[None, :], logits, -float("inf")) * softmax_scale
     tl.store(logits_ptr + (((r - row0) * H + heads) * n_blocks + j)[:, None] * BL + lane[None, :], logits,
              mask=h_ok[:, None])
 
 
 @triton.jit
 def _attention_output_kernel(rot_ptr, logits_ptr, o_ptr, sink_ptr, pos_ptr, floor_ptr, ring_codes_ptr,
-                             ring_scales_ptr, ring_pos_ptr, pool_codes_ptr, pool_scales_ptr, topk_ptr, S, H, window,
-                             width, ring_size, n_topk, n_blocks, stride_rcb, stride_rsb, stride_rpb,
+                             ring_scales_ptr, ring_pos_ptr, pool_codes_ptr, pool_scales_ptr, topk_ptr, entries_ptr, S,
+                             H, window, width, ring_size, n_topk, n_blocks, stride_rcb, stride_rsb, stride_rpb,
                              stride_pcb, stride_psb, stride_tr, row0, D: tl.constexpr, ROPE: tl.constexpr,
                              BH: tl.constexpr, BL: tl.constexpr, DO: tl.constexpr, HAS_FLOOR: tl.constexpr,
                              ROUND_P: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
                              TABLES: tl.constexpr):
     """Phase 2: the reference's online softmax over the blocks in order (probabilities rounded to bf16 against the
     running max in the numerator, fp32 in the denominator, the sink at the end) for BH heads and DO output dims,
-    then the inverse RoPE."""
-    r = row0 + tl.program_id(0).to(tl.int64)  # (r * H + head) * D passes 2^31 past 65,536 rows
-    heads = tl.program_id(1) * BH + tl.arange(0, BH)
+    then the inverse RoPE. TABLES: the entries as in phase 1."""
+    r = row0 + tl.program_id(1).to(tl.int64)  # (r * H + head) * D passes 2^31 past 65,536 rows
+    heads = tl.program_id(2) * BH + tl.arange(0, BH)
     h_ok = heads < H
-    o0 = tl.program_id(2) * DO
+    o0 = tl.program_id(0) * DO
     b, p, lowest, lowest_visible = _query_row(r, S, pos_ptr, floor_ptr, window, HAS_FLOOR)
     lane = tl.arange(0, BL)
     m = tl.full([BH], -1e30, ACC)
     den = tl.full([BH], 0.0, ACC)
     acc = tl.full([BH, DO], 0.0, ACC)
     for j in range(0, n_blocks):
-        slot, window_ok, row, pool_ok = _block_entries(j, lane, r, b, p, lowest, lowest_visible, width,
-                                                       ring_size, n_topk, ring_pos_ptr, topk_ptr, stride_rpb,
-                                                       stride_tr, BL, HAS_FLOOR)
         logits = tl.load(logits_ptr + (((r - row0) * H + heads) * n_blocks + j)[:, None] * BL + lane[None, :],
                          mask=h_ok[:, None], other=-float("inf"))
-        e = _entry_chunk(j, width, slot, window_ok, row, pool_ok, ring_codes_ptr + b * stride_rcb,
-                         ring_scales_ptr + b * stride_rsb, pool_codes_ptr + b * stride_pcb,
-                         pool_scales_ptr + b * stride_psb, o0, D, BL, DO, DOT, TABLES)
+        if TABLES:
+            e = _table_chunk(ring_codes_ptr + b * stride_rcb, _listed(entries_ptr, r, row0, j, lane, n_blocks, BL),
+                             o0, D, DO, DOT)
+        else:
+            slot, window_ok, row, pool_ok = _block_entries(j, lane, r, b, p, lowest, lowest_visible, width,
+                                                           ring_size, n_topk, ring_pos_ptr, topk_ptr, stride_rpb,
+                                                           stride_tr, BL, HAS_FLOOR)
+            e = _entry_chunk(j, width, slot, window_ok, row, pool_ok, ring_codes_ptr + b * stride_rcb,
+                             ring_scales_ptr + b * stride_rsb, pool_codes_ptr + b * stride_pcb,
+                             pool_scales_ptr + b * stride_psb, o0, D, BL, DO, DOT)
         m_new = tl.maximum(m, reduce_max(logits, 1))
         rescale = tl.exp(m - m_new)
         probs = tl.exp(logits - m_new[:, None])
@@ -284,7 +312,7 @@ def stored_attention(q: torch.Tensor, rotation: torch.Tensor, rope_dim: int, pos
     n_blocks = triton.cdiv(ring.width + (topk.shape[1] if has_pool else 0), BLOCK_ENTRIES)
     rows = batch * seq
     # a long prefill's rows in slices, so that the logits buffer stays within LOGITS_BYTES
-    per_launch = max(1, min(rows, LOGITS_BYTES // (heads * max(n_blocks, 1) * BLOCK_ENTRIES * 4)))
+    per_launch = max(1, min(rows, MAX_GRID_ROWS, LOGITS_BYTES // (heads * max(n_blocks, 1) * BLOCK_ENTRIES * 4)))
     logits = torch.empty(per_launch, heads, max(n_blocks, 1) * BLOCK_ENTRIES, dtype=torch.float32
                          if acc == tl.float32 else torch.float64, device=q.device)
     floor_arg = pos if floor is None else floor.contiguous()
@@ -292,26 +320,35 @@ def stored_attention(q: torch.Tensor, rotation: torch.Tensor, rope_dim: int, pos
     tiles = PREFILL_TILES if prefill else WIDE_DECODE_TILES if rows >= WIDE_DECODE_ROWS else DECODE_TILES
     dc, do = min(tiles.qk_chunk, dim), min(tiles.out_chunk, dim)
     ring_codes, ring_scales = ring.codes, ring.scales
-    if prefill and PREFILL_TABLES:  # every stored row dequantized once (exact in DOT), not per query and head group
+    tables = prefill and PREFILL_TABLES
+    entries = pos
+    if tables:  # every stored row dequantized once (exact in DOT), not per query and head group
         table_dtype = {tl.float64: torch.float64, tl.float32: torch.float32, tl.bfloat16: torch.bfloat16}[dot]
-        ring_codes = ring_scales = fp8_dequantize_rows(ring.codes.view(torch.float8_e4m3fn), ring.scales,
-                                                       table_dtype)
-        pool_codes = pool_scales = fp4_dequantize_rows(pool.codes, pool.scales.view(torch.float8_e4m3fn),
-                                                       table_dtype) if has_pool else ring_codes
-    storage = (ring_codes, ring_scales, ring.positions, pool_codes, pool_scales, topk)
+        parts = [torch.zeros(batch, 1, dim, dtype=table_dtype, device=q.device),
+                 fp8_dequantize_rows(ring.codes.view(torch.float8_e4m3fn), ring.scales, table_dtype)]
+        if has_pool:
+            parts.append(fp4_dequantize_rows(pool.codes, pool.scales.view(torch.float8_e4m3fn), table_dtype))
+        ring_codes = ring_scales = pool_codes = pool_scales = torch.cat(parts, dim=1)
+        entries = torch.empty(per_launch, n_blocks * BLOCK_ENTRIES, dtype=torch.int32, device=q.device)
+    storage = (ring_codes, ring_scales, ring.positions, pool_codes, pool_scales, topk, entries)
     shapes = (seq, heads, window, ring.width, ring.codes.shape[1], topk.shape[1] if has_pool else 0, n_blocks)
     strides = (ring_codes.stride(0), ring_scales.stride(0), ring.positions.stride(0), pool_codes.stride(0),
                pool_scales.stride(0), topk.stride(0))
     common = dict(D=dim, ROPE=rope_dim, BL=BLOCK_ENTRIES, HAS_FLOOR=floor is not None, ACC=acc, DOT=dot,
-                  IEEE=dot != tl.bfloat16, TABLES=prefill and PREFILL_TABLES)
+                  IEEE=dot != tl.bfloat16, TABLES=tables)
     for row0 in range(0, rows, per_launch):
         count = min(per_launch, rows - row0)
+        if tables and n_blocks:
+            _entry_list_kernel[(n_blocks, count)](
+                entries, pos, floor_arg, ring.positions, topk, seq, window, ring.width, ring.codes.shape[1],
+                shapes[5], n_blocks, ring.positions.stride(0), topk.stride(0), row0, BL=BLOCK_ENTRIES,
+                HAS_FLOOR=floor is not None)
         if n_blocks:
-            grid = (count, n_blocks * (BLOCK_ENTRIES // tiles.logit_entries), triton.cdiv(heads, LOGIT_HEADS))
+            grid = (n_blocks * (BLOCK_ENTRIES // tiles.logit_entries), count, triton.cdiv(heads, LOGIT_HEADS))
             _attention_logits_kernel[grid](
                 q, rot, logits, pos, floor_arg, *storage, *shapes, softmax_scale, *strides, row0, BH=LOGIT_HEADS,
                 LE=tiles.logit_entries, DC=dc, num_warps=tiles.logit_warps, **common)
-        _attention_output_kernel[(count, triton.cdiv(heads, tiles.block_heads), dim // do)](
+        _attention_output_kernel[(dim // do, count, triton.cdiv(heads, tiles.block_heads))](
             rot, logits, out, sink, pos, floor_arg, *storage, *shapes, *strides, row0, BH=tiles.block_heads, DO=do,
             ROUND_P=q.dtype == torch.bfloat16, num_warps=tiles.output_warps, **common)
     return out
