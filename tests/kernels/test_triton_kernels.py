@@ -24,7 +24,7 @@ from modeling_deepseek_v41.kernels.triton import (  # noqa: E402
     dense_linear, fp4_linear, fp4_to_fp8_weight, fp8_act_qdq, fp8_act_quant, fp8_linear, fp8_row_linear,
     grouped_linear, grouped_moe,
 )
-from modeling_deepseek_v41.kernels.triton.common import cast  # noqa: E402
+from modeling_deepseek_v41.kernels.triton.common import cast, round_e4m3  # noqa: E402
 from modeling_deepseek_v41.kernels.triton.linear import (  # noqa: E402
     DECODE_MAX_ROWS, DECODE_TILE, SPLIT_TARGET_PROGRAMS, split_count,
 )
@@ -112,6 +112,27 @@ def test_bf16_cast_rounds_to_nearest_even():
     assert torch.equal(out.cpu().isnan(), expected.isnan())
     finite = ~expected.isnan()
     assert torch.equal(out.cpu()[finite].view(torch.int16), expected[finite].view(torch.int16))
+
+
+@triton.jit
+def _e4m3_round_kernel(x_ptr, out_ptr, n, N: tl.constexpr):
+    offsets = tl.arange(0, N)
+    tl.store(out_ptr + offsets, round_e4m3(tl.load(x_ptr + offsets, mask=offsets < n)), mask=offsets < n)
+
+
+def test_e4m3_rounding_is_torchs():
+    """The kernels' e4m3 rounding of values within [-448, 448] (compiled: the conversion instruction; interpreted:
+    integer arithmetic) is torch's: ties to even on the normal and the subnormal grid."""
+    grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = grid[grid.isfinite() & (grid >= 0)].unique()
+    ties = (grid[1:] + grid[:-1]) / 2
+    uniform = torch.rand(4096, generator=_gen(9)) * 448.0
+    tiny = torch.rand(1024, generator=_gen(10)) * 2.0**-6
+    x = torch.cat([grid, ties, ties.nextafter(torch.tensor(0.0)), ties.nextafter(torch.tensor(448.0)), uniform, tiny])
+    x = torch.cat([x, -x])
+    out = torch.empty_like(x, device=DEVICE)
+    _e4m3_round_kernel[(1,)](x.to(DEVICE), out, x.numel(), N=triton.next_power_of_2(x.numel()))
+    assert torch.equal(out.cpu(), x.to(torch.float8_e4m3fn).float())
 
 
 def test_fp4_to_fp8_reencode_is_exact():

@@ -23,16 +23,20 @@ INTERPRETED = tl.constexpr(bool(triton.knobs.runtime.interpret))
 def round_e4m3(v):
     """fp32 values (already within [-448, 448]) rounded to the nearest e4m3 value, ties to even, as fp32.
 
-    Done in integer arithmetic because the conversion instruction's rounding is not what Triton's interpreter
-    does; the result is exact in e4m3, so a later cast to float8 is exact on every backend."""
-    a = tl.abs(v)
-    bits = a.to(tl.int32, bitcast=True)
-    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)  # 3 mantissa bits
-    # below 2^-6 the grid is multiples of 2^-9: adding 2^14 leaves exactly that quantum (ties to even)
-    steps = (a + 16384.0).to(tl.int32, bitcast=True) - 0x46800000
-    sub = steps.to(tl.float32) * 0.001953125
-    r = tl.where(a < 0.015625, sub, normal)
-    return tl.where(v < 0, -r, r)
+    Compiled, the conversion instruction; interpreted, integer arithmetic (the interpreter's conversion rounds
+    otherwise). The result is exact in e4m3, so a later cast to float8 is exact on every backend."""
+    if INTERPRETED:
+        a = tl.abs(v)
+        bits = a.to(tl.int32, bitcast=True)
+        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)  # 3 mantissa bits
+        # below 2^-6 the grid is multiples of 2^-9: adding 2^14 leaves exactly that quantum (ties to even)
+        steps = (a + 16384.0).to(tl.int32, bitcast=True) - 0x46800000
+        sub = steps.to(tl.float32) * 0.001953125
+        r = tl.where(a < 0.015625, sub, normal)
+        out = tl.where(v < 0, -r, r)
+    else:
+        out = v.to(tl.float8e4nv).to(tl.float32)
+    return out
 
 
 @triton.jit
