@@ -29,6 +29,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+from safetensors import safe_open
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -36,6 +37,8 @@ sys.path.insert(0, str(ROOT))
 from loading import drop_cached  # noqa: E402
 from modeling_deepseek_v41 import DeepseekV41Config, DeepseekV41ForCausalLM  # noqa: E402
 from modeling_deepseek_v41.cache import DeepseekV41Cache  # noqa: E402
+from modeling_deepseek_v41.cache.fingerprint import fingerprint_mismatch  # noqa: E402
+from modeling_deepseek_v41.cache.persistence import content_checksum  # noqa: E402
 from modeling_deepseek_v41.layers.engram_hashing import engram_table_rows  # noqa: E402
 from modeling_deepseek_v41.model.generation import DeepseekV41CUDAGraphDecoder  # noqa: E402
 from modeling_deepseek_v41.model.generation.dspark import dspark_draft  # noqa: E402
@@ -221,6 +224,11 @@ def profile_decode(model, context: int, steps: int = 3, top: int = 50, width: in
                       "launches_per_step": launches}), flush=True)
 
 
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def profiled(run, what: str, top: int) -> dict:
     """One call of `run` under torch.profiler (CPU and CUDA, with stacks): its kernels and the package's launching
     source lines by GPU time, largest first; returns its GPU time, launches and host synchronizations."""
@@ -277,24 +285,20 @@ def agent_turn(model, prefix: int, new: int, folder: Path, mode: str = "bounded_
         cache.save(path, model)
     del cache
 
-    def synchronize():
-        if model.device.type == "cuda":
-            torch.cuda.synchronize()
-
     def restored_turn():
         drop_cached(folder)  # the next read is the disk's
-        synchronize()
+        synchronize(model.device)
         begin = time.perf_counter()
         with torch.no_grad():
             restored = DeepseekV41Cache.load(path, model)
-            synchronize()
+            synchronize(model.device)
             loaded = time.perf_counter()
             model(ids[:, prefix:], cache=restored, logits_to_keep=1, prefill_mode=mode).logits.argmax(-1).tolist()
         end = time.perf_counter()
         return end - begin, loaded - begin, end - loaded
 
     def cold_turn():
-        synchronize()
+        synchronize(model.device)
         begin = time.perf_counter()
         with torch.no_grad():
             model(ids, cache=DeepseekV41Cache(model.config), logits_to_keep=1,
@@ -309,6 +313,7 @@ def agent_turn(model, prefix: int, new: int, folder: Path, mode: str = "bounded_
             row[key] = statistics.median(t[i] for t in times)
     row["cold_over_restored"] = row["cold_first_token_s"] / row["restored_first_token_s"]
     if profile:
+        row.update(restore_parts(model, path))
         with torch.no_grad():
             restored = DeepseekV41Cache.load(path, model)
             stats = profiled(lambda: model(ids[:, prefix:], cache=restored, logits_to_keep=1, prefill_mode=mode),
@@ -317,6 +322,32 @@ def agent_turn(model, prefix: int, new: int, folder: Path, mode: str = "bounded_
     shutil.rmtree(folder)
     print(json.dumps(row), flush=True)
     return row
+
+
+def restore_parts(model, path: Path) -> dict:
+    """Seconds of each part of restoring `path`, timed alone: reading it from the disk (dropped from the page cache
+    first), its sha256 checksum, the fingerprint check (the weights digest on the device), its tensors to the
+    device. Medians of 2."""
+    parts = {"restore_read_s": [], "restore_checksum_s": [], "restore_fingerprint_s": [], "restore_to_device_s": []}
+    for _ in range(2):
+        drop_cached(path.parent)
+        begin = time.perf_counter()
+        with safe_open(path, framework="pt") as handle:
+            metadata = dict(handle.metadata() or {})
+            tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+        parts["restore_read_s"].append(time.perf_counter() - begin)
+        begin = time.perf_counter()
+        content_checksum(metadata, tensors)
+        parts["restore_checksum_s"].append(time.perf_counter() - begin)
+        begin = time.perf_counter()
+        assert fingerprint_mismatch(metadata, model) is None
+        synchronize(model.device)
+        parts["restore_fingerprint_s"].append(time.perf_counter() - begin)
+        begin = time.perf_counter()
+        [t.to(model.device) for t in tensors.values()]
+        synchronize(model.device)
+        parts["restore_to_device_s"].append(time.perf_counter() - begin)
+    return {key: statistics.median(times) for key, times in parts.items()}
 
 
 def prefill_rows(model, lengths: list[int], modes: list[str], skip: set[tuple[str, int]]) -> list[dict]:
@@ -371,7 +402,8 @@ def main() -> None:
     parser.add_argument("--agent-turn", type=int, nargs=2, metavar=("PREFIX", "NEW"),
                         help="also time an agent turn: PREFIX tokens restored from a saved prefix cache + NEW tokens")
     parser.add_argument("--profile-agent-turn", action="store_true",
-                        help="also profile the restored agent turn's forward (kernels, host synchronizations)")
+                        help="also profile the restored agent turn's forward (kernels, host synchronizations) and time "
+                             "the parts of its restore")
     parser.add_argument("--agent-turn-mode", choices=("exact", "bounded_replay"), default="bounded_replay",
                         help="the prefill mode of both agent turns (the saved prefix, the new tokens, the cold turn)")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp"), help="where --agent-turn writes its cache")
