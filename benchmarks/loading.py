@@ -1,6 +1,6 @@
 """from_pretrained of a hub-layout checkpoint at the released widths, against the disk's own read rate.
 
-    python benchmarks/loading.py [--layers 3] [--workdir DIR] [--device cuda] [--keep] [--tiny]
+    python benchmarks/loading.py [--layers 3] [--experts 384] [--workdir DIR] [--device cuda] [--keep] [--tiny]
 
 Writes a random checkpoint in the hub layout whose layers have the released shapes and all 384 routed experts
 (`--layers` decoder blocks on a CSA2 schedule of window-only, ratio-2 and ratio-1 layers; the Engram tables and
@@ -10,7 +10,8 @@ sequential read rate of the shards, and `AutoModelForCausalLM.from_pretrained(fo
 fresh process (wall seconds, GB/s, peak host RSS, seconds per step of the loading pipeline); and the same load once
 more with the files cached. The released checkpoint's load time is estimated from the cold rate and its size (the
 hub config's tensors). `--tiny` keeps the schedule and the 384 experts at the tiny preset's widths: a quick run
-on a CPU.
+on a CPU; `--experts` cuts the routed experts for a host with less memory. The tokenizer written beside it has the
+released vocabulary's size and, like the hub's, few added tokens (transformers loads 100K of them in seconds).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ WIDTHS = ("vocab_size", "hidden_size", "moe_intermediate_size", "num_attention_h
 CHUNK = 64 << 20  # bytes per read when timing the disk
 
 
-def text_config(layers: int, tiny: bool) -> dict:
+def text_config(layers: int, tiny: bool, experts: int = 384) -> dict:
     """The hub text config with `layers` blocks (0: window only, 1: ratio 2, later: ratio 1; the first ratio-1
     block owns the candidates) and cut Engram tables and drafter experts; with `tiny`, the tiny preset's widths.
     The ids the tokenizer decides (noise token, compressed Engram vocabulary, table rows) are left out."""
@@ -55,7 +56,7 @@ def text_config(layers: int, tiny: bool) -> dict:
     text.update(num_hidden_layers=layers, compress_ratios=[0, 2] + [1] * (layers - 2) + [0] * 3,
                 kv_source_layer_ids=[1, 2], index_source_layer_ids=[1, 2], candidate_source_layer_id=2,
                 engram_layer_ids=[1, 2], dspark_target_layer_ids=[layers - 3, layers - 2, layers - 1],
-                dspark_n_routed_experts=16, engram_vocab_size=100_000 if not tiny else 1000)
+                dspark_n_routed_experts=16, engram_vocab_size=100_000 if not tiny else 1000, n_routed_experts=experts)
     for key in ("dspark_noise_token_id", "engram_compressed_vocab_size", "engram_num_embeddings"):
         text.pop(key)
     return text
@@ -189,18 +190,20 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--shard-gb", type=float, default=5.0)
     parser.add_argument("--tiny", action="store_true", help="the tiny preset's widths (a quick CPU run)")
+    parser.add_argument("--experts", type=int, default=384, help="routed experts per block (fewer: a checkpoint that "
+                        "fits a smaller host)")
     parser.add_argument("--keep", action="store_true", help="keep the checkpoint afterwards")
     args = parser.parse_args()
-    text = text_config(args.layers, args.tiny)
+    text = text_config(args.layers, args.tiny, args.experts)
     folder = args.workdir / "hub"
     shutil.rmtree(args.workdir, ignore_errors=True)
     tokenizer = args.workdir / "tokenizer"  # the hub ships one; the Engram token map is built from it at load
-    ids = save_tiny_tokenizer(tokenizer, text["vocab_size"])
+    ids = save_tiny_tokenizer(tokenizer, text["vocab_size"], reserved_in_vocab=True)  # loads as fast as the hub's
     config_dict = hub_config_dict(_complete_text_config(text, ids, tokenizer), None, ids.image_token_id)
     nbytes, write_seconds = write_checkpoint(folder, config_dict, args.device, int(args.shard_gb * 1e9))
     for path in tokenizer.iterdir():
         shutil.copy2(path, folder / path.name)
-    row = {"layers": args.layers, "tiny": args.tiny, "checkpoint_gb": nbytes / 1e9,
+    row = {"layers": args.layers, "experts": args.experts, "tiny": args.tiny, "checkpoint_gb": nbytes / 1e9,
            "shards": len(list(folder.glob("*.safetensors"))), "write_gb_s": nbytes / write_seconds / 1e9}
     drop_cached(folder)
     row["disk_read_gb_s"], row["disk_read_s"] = read_rate(folder)

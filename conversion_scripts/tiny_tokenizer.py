@@ -78,11 +78,15 @@ def _tail_tokens(vocab_size: int) -> dict[int, str]:
     return tail
 
 
-def build_tiny_tokenizer(vocab_size: int = 512, text: str | None = None, seed: int = 0):
+def build_tiny_tokenizer(vocab_size: int = 512, text: str | None = None, seed: int = 0,
+                         reserved_in_vocab: bool = False):
     """A `tokenizers.Tokenizer` of exactly `vocab_size` ids (see the module docstring for the layout).
 
     Training is deterministic for a given text; `seed` only permutes the order of the training paragraphs,
-    so different seeds give different (but equally valid) merges.
+    so different seeds give different (but equally valid) merges. The ids the merges do not reach are reserved
+    special tokens; `reserved_in_vocab`: plain vocabulary entries no merge produces instead, so that a tokenizer of
+    the released vocabulary's size loads as fast as the released one (transformers loads 100K added tokens in
+    seconds).
     """
     import random
 
@@ -102,8 +106,13 @@ def build_tiny_tokenizer(vocab_size: int = 512, text: str | None = None, seed: i
     tokenizer.train_from_iterator(paragraphs, trainer=trainer)
     learned = tokenizer.get_vocab_size(with_added_tokens=True)
     fillers = [f"<｜reserved▁{i}｜>" for i in range(vocab_size - TAIL_SIZE - learned)]
-    # a short training text learns fewer merges than asked for; reserved specials keep the tail ids fixed
-    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in fillers])
+    # a short training text learns fewer merges than asked for; reserved ids keep the tail ids fixed
+    if reserved_in_vocab:
+        layout = json.loads(tokenizer.to_str())
+        layout["model"]["vocab"].update({token: learned + i for i, token in enumerate(fillers)})
+        tokenizer = Tokenizer.from_str(json.dumps(layout))
+    else:
+        tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in fillers])
     tail = _tail_tokens(vocab_size)
     tokenizer.add_special_tokens([AddedToken(tail[i], special=True, normalized=False) for i in sorted(tail)])
     tokenizer.post_processor = processors.TemplateProcessing(
@@ -116,13 +125,13 @@ def build_tiny_tokenizer(vocab_size: int = 512, text: str | None = None, seed: i
 
 
 def save_tiny_tokenizer(out_dir: str | Path, vocab_size: int = 512, text: str | None = None, seed: int = 0,
-                        model_max_length: int = 65536) -> TinyTokenizerIds:
+                        model_max_length: int = 65536, reserved_in_vocab: bool = False) -> TinyTokenizerIds:
     """Build the tokenizer and write tokenizer.json, tokenizer_config.json (PreTrainedTokenizerFast, left padding as
     a decoder-only model generates) and the chat template (chat_template.jinja, which AutoTokenizer and
     AutoProcessor both load) to out_dir."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tiny_tokenizer(vocab_size, text, seed)
+    tokenizer = build_tiny_tokenizer(vocab_size, text, seed, reserved_in_vocab)
     tokenizer.save(str(out_dir / "tokenizer.json"))
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN,

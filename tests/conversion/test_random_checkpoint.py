@@ -112,6 +112,26 @@ def test_tokenizer_layout(tmp_path):
         assert tokenizer(token, add_special_tokens=False).input_ids == [tokenizer.convert_tokens_to_ids(token)]
 
 
+def test_reserved_ids_in_the_vocabulary_keep_the_tokenizer(tmp_path):
+    """reserved_in_vocab (the loading benchmark's tokenizer of the released size) moves the ids no merge reaches
+    from added tokens into the vocabulary: the same ids, encodings, decodings and Engram map, few added tokens."""
+    from transformers import AutoTokenizer
+
+    from modeling_deepseek_v41.layers.engram_hashing import build_compressed_token_map
+
+    loaded = []
+    for flag in (False, True):
+        ids = save_tiny_tokenizer(tmp_path / str(flag), 8192, reserved_in_vocab=flag)
+        loaded.append((ids, AutoTokenizer.from_pretrained(tmp_path / str(flag))))
+    (ids, added), (ids_in_vocab, in_vocab) = loaded
+    assert ids == ids_in_vocab and in_vocab.get_vocab() == added.get_vocab()
+    text = "Beautiful is better than ugly. <｜User｜>hi<｜Assistant｜> x = {'a': 1}\n"
+    assert in_vocab(text).input_ids == added(text).input_ids
+    assert in_vocab.decode(range(8192)) == added.decode(range(8192))
+    assert build_compressed_token_map(in_vocab) == build_compressed_token_map(added)
+    assert len(in_vocab.added_tokens_decoder) < 32 < len(added.added_tokens_decoder)
+
+
 def test_cli(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         make_main(["--help"])
