@@ -24,7 +24,7 @@ from modeling_deepseek_v41.kernels.triton import (  # noqa: E402
     dense_linear, fp4_linear, fp4_to_fp8_weight, fp8_act_qdq, fp8_act_quant, fp8_linear, fp8_row_linear,
     grouped_linear, grouped_moe,
 )
-from modeling_deepseek_v41.kernels.triton.common import cast, round_e4m3  # noqa: E402
+from modeling_deepseek_v41.kernels.triton.common import cast, e2m1_value, round_e4m3  # noqa: E402
 from modeling_deepseek_v41.kernels.triton.linear import (  # noqa: E402
     DECODE_MAX_ROWS, DECODE_TILE, SPLIT_TARGET_PROGRAMS, split_count,
 )
@@ -133,6 +133,20 @@ def test_e4m3_rounding_is_torchs():
     out = torch.empty_like(x, device=DEVICE)
     _e4m3_round_kernel[(1,)](x.to(DEVICE), out, x.numel(), N=triton.next_power_of_2(x.numel()))
     assert torch.equal(out.cpu(), x.to(torch.float8_e4m3fn).float())
+
+
+@triton.jit
+def _e2m1_kernel(out_ptr):
+    codes = tl.arange(0, 16)
+    tl.store(out_ptr + codes, e2m1_value(codes))
+
+
+def test_e2m1_values_are_the_codes():
+    """The kernels' e2m1 decoding (bits placed in an fp16) gives every code's value, signed zero included."""
+    out = torch.empty(16, device=DEVICE)
+    _e2m1_kernel[(1,)](out)
+    expected = numerics.e2m1_values(torch.arange(16))
+    assert torch.equal(out.cpu(), expected) and torch.equal(out.cpu().signbit(), expected.signbit())
 
 
 def test_fp4_to_fp8_reencode_is_exact():

@@ -108,12 +108,12 @@ def pow2_ceil_scale(amax, INV_MAX: tl.constexpr = 0.002232142857142857):
 
 @triton.jit
 def e2m1_value(code):
-    """fp32 value of 4-bit e2m1 codes (int32, bit 3 = sign): 0, .5, 1, 1.5, 2, 3, 4, 6 (all exact in e4m3)."""
-    exponent = (code >> 1) & 3
-    mantissa = (code & 1).to(tl.float32)
-    normal = (1.0 + 0.5 * mantissa) * ((1 << exponent).to(tl.float32) * 0.5)
-    magnitude = tl.where(exponent == 0, 0.5 * mantissa, normal)
-    return tl.where((code & 8) != 0, -magnitude, magnitude)
+    """fp32 value of 4-bit e2m1 codes (int32, bit 3 = sign): 0, .5, 1, 1.5, 2, 3, 4, 6 (all exact in e4m3).
+
+    The code's exponent and mantissa bits placed at the bottom of an fp16's exponent and the top of its mantissa
+    give 2^-14 times the value, subnormal codes included (fp16 conversions keep subnormals)."""
+    bits = ((code & 7) << 9) | ((code & 8) << 12)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
 
 
 @triton.jit
