@@ -144,16 +144,19 @@ def _moe_down_kernel(h_ptr, hs_ptr, w2_ptr, s2_ptr, c_ptr, pair_ptr, block_exper
 
 @triton.jit
 def _combine_kernel(c_ptr, order_ptr, shared_ptr, y_ptr, D, top_k, stride_cm, stride_sm, stride_ym,
-                    BLOCK: tl.constexpr, SHARED: tl.constexpr):
+                    BLOCK: tl.constexpr, SHARED: tl.constexpr, ROWS: tl.constexpr):
     """y[t] = sum over the token's contributions in ascending expert order (fp32, starting from zero); SHARED: plus
-    the shared expert's output, rounded to y's dtype (the reference's order: routed sum, shared, cast)."""
+    the shared expert's output, rounded to y's dtype (the reference's order: routed sum, shared, cast). order[t, j]:
+    the slot of the token's j-th expert among its top_k contribution rows, or (ROWS) that contribution's row."""
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < D
     acc = tl.full([BLOCK], 0.0, tl.float32)
     for j in range(top_k):
-        slot = tl.load(order_ptr + t * top_k + j)
-        acc += tl.load(c_ptr + (t * top_k + slot) * stride_cm + offs, mask=mask, other=0.0).to(tl.float32)
+        row = tl.load(order_ptr + t * top_k + j).to(tl.int64)
+        if not ROWS:
+            row += t * top_k
+        acc += tl.load(c_ptr + row * stride_cm + offs, mask=mask, other=0.0).to(tl.float32)
     if SHARED:
         acc += tl.load(shared_ptr + t * stride_sm + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + t * stride_ym + offs, cast(acc, y_ptr.dtype.element_ty), mask=mask)
@@ -233,7 +236,10 @@ def grouped_moe(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
         pair_of_row, *_, order = moe_schedule(experts, n_experts, MOE_PREFILL_TILE["BM"])
         contributions = grouped_gemm_moe(tokens.contiguous(), experts, route, pair_of_row, w1, s1, w3, s3, w2, s2,
                                          limit)
-        return _combine(contributions, order, shared)
+        row_of_pair = torch.empty_like(pair_of_row)
+        row_of_pair[pair_of_row.long()] = torch.arange(pair_of_row.shape[0], dtype=torch.int32,
+                                                       device=pair_of_row.device)
+        return _combine(contributions, row_of_pair.view(t, top_k).gather(1, order.long()), shared, rows=True)
     tile = tile or (MOE_DECODE_TILE if decode else MOE_PREFILL_TILE)
     chunks = (k_chunks or MOE_DECODE_K_CHUNK) if decode else {"up": d, "down": inter}
     if f16_slices and (fmt != FMT_FP4_ROW or fp8_dot):
@@ -286,9 +292,11 @@ def grouped_moe(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
     return _combine(contributions, order, shared)
 
 
-def _combine(contributions: torch.Tensor, order: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:
-    """Each token's k contributions [T*k, D] summed in fp32 in ascending expert order (order [T, k]: the slots);
-    with `shared` [T, D], plus it, in its dtype."""
+def _combine(contributions: torch.Tensor, order: torch.Tensor, shared: torch.Tensor | None, rows: bool = False
+             ) -> torch.Tensor:
+    """Each token's k contributions [T*k, D] summed in fp32 in ascending expert order (order [T, k]: the slots of
+    the token's k rows, or with `rows` the contributions' rows themselves); with `shared` [T, D], plus it, in its
+    dtype."""
     t, top_k = order.shape
     d = contributions.shape[1]
     y = torch.empty(t, d, dtype=torch.float32 if shared is None else shared.dtype, device=contributions.device)
@@ -296,7 +304,7 @@ def _combine(contributions: torch.Tensor, order: torch.Tensor, shared: torch.Ten
     shared_arg = y if shared is None else shared
     _combine_kernel[(t, triton.cdiv(d, block))](contributions, order, shared_arg, y, d, top_k,
                                                 contributions.stride(0), shared_arg.stride(0), y.stride(0),
-                                                BLOCK=block, SHARED=shared is not None)
+                                                BLOCK=block, SHARED=shared is not None, ROWS=rows)
     return y
 
 

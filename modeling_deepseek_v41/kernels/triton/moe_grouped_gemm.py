@@ -77,7 +77,8 @@ def _dequantized(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def grouped_gemm_moe(tokens: torch.Tensor, experts: torch.Tensor, route: torch.Tensor, pair_of_row: torch.Tensor,
                      w1: torch.Tensor, s1: torch.Tensor, w3: torch.Tensor, s3: torch.Tensor, w2: torch.Tensor,
                      s2: torch.Tensor, limit: float) -> torch.Tensor:
-    """The contributions [pairs, D] (bf16, in pair order) of every (token, expert) pair, for moe.grouped_moe.
+    """The contributions [pairs, D] (bf16) of every (token, expert) pair in the expert-sorted order of
+    `pair_of_row` (row r is pair pair_of_row[r]), for moe.grouped_moe.
 
     tokens [T, D] bf16; experts [T, k] ids; route [T*k] fp32 routing weights; pair_of_row [T*k] the pairs sorted
     by expert (stable); w1, w3 [E, I, D/2] and w2 [E, D, I/2] packed FP4 with E8M0 scales [E, N, K/32]. Reads the
@@ -95,7 +96,7 @@ def grouped_gemm_moe(tokens: torch.Tensor, experts: torch.Tensor, route: torch.T
     group = max(1, min(n_experts, GROUP_BYTES // per_expert_bytes))
     # where each group of experts' rows begins and ends: the one host read, none when one group takes them all
     bounds = [0] + ends.tolist() if group < n_experts else None
-    contributions = torch.empty(rows_of.shape[0], d, dtype=torch.bfloat16, device=tokens.device)
+    pieces = []  # each group's rows, in sorted order: no scatter back to pair order (the sum reads them there)
     for e0 in range(0, n_experts, group):
         e1 = min(n_experts, e0 + group)
         r0, r1 = (bounds[e0], bounds[e1]) if bounds else (0, rows_of.shape[0])
@@ -107,6 +108,7 @@ def grouped_gemm_moe(tokens: torch.Tensor, experts: torch.Tensor, route: torch.T
         up = torch._grouped_mm(rows, _dequantized(w3[e0:e1], s3[e0:e1]), offs=offs)
         h = fp8_act_qdq(swiglu(gate, up, limit, route[r0:r1], torch.bfloat16), torch.bfloat16)
         del gate, up
-        down = torch._grouped_mm(h, _dequantized(w2[e0:e1], s2[e0:e1]), offs=offs)
-        contributions.index_copy_(0, rows_of[r0:r1], down)
-    return contributions
+        pieces.append(torch._grouped_mm(h, _dequantized(w2[e0:e1], s2[e0:e1]), offs=offs))
+    if len(pieces) == 1:
+        return pieces[0]
+    return torch.cat(pieces) if pieces else tokens.new_empty(0, d)
