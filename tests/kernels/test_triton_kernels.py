@@ -30,6 +30,7 @@ from modeling_deepseek_v41.kernels.triton.linear import (  # noqa: E402
 )
 from modeling_deepseek_v41.kernels.triton.linear_rows import ROWS_MAX_ROWS  # noqa: E402
 from modeling_deepseek_v41.kernels.triton.moe import MOE_DECODE_TILE, MOE_ROWS_MAX_TOKENS  # noqa: E402
+from modeling_deepseek_v41.kernels.triton.moe_rows import rows_moe  # noqa: E402
 from modeling_deepseek_v41.kernels.triton.moe_schedule import expert_blocks  # noqa: E402
 from modeling_deepseek_v41.layers.linear import DeepseekV41Linear  # noqa: E402
 
@@ -533,6 +534,26 @@ def test_grouped_moe_is_batch_invariant(t):
     for i in (0, t - 1):
         alone = grouped_moe(tokens[i:i + 1], experts[i:i + 1], weights[i:i + 1], *stacks, limit=10.0)
         assert torch.equal(alone, full[i:i + 1])
+
+
+def test_rows_formulation_takes_the_tokens_whose_experts_see_few_rows(monkeypatch):
+    """The rows formulation always takes up to MOE_ROWS_MAX_TOKENS tokens (a step, DSpark's verify and draft), and
+    more while the chosen experts see at most ROWS_PER_EXPERT rows each: a 32-token batch over 384 experts, not
+    over 32."""
+    from modeling_deepseek_v41.kernels.triton import moe
+
+    assert moe.rows_token_limit(6, 32) == MOE_ROWS_MAX_TOKENS and moe.rows_token_limit(6, 6) == MOE_ROWS_MAX_TOKENS
+    assert 32 < moe.rows_token_limit(6, 384) < 256
+    calls = []
+    monkeypatch.setattr(moe, "rows_moe", lambda *args, **kwargs: calls.append(args[0].shape[0]) or
+                        rows_moe(*args, **kwargs))
+    n_experts, d, inter, top_k = 64, 64, 64, 2
+    stacks = _experts(n_experts, d, inter, True, seed=70)
+    for t in (12, 60):
+        tokens = _randn(t, d, seed=71, dtype=torch.bfloat16)
+        experts, weights = _routing(t, n_experts, top_k, seed=72)
+        grouped_moe(tokens, experts, weights, *stacks, limit=10.0)
+    assert calls == [12]  # 24 pairs over 64 experts take the rows; 120 pairs (2.2 rows per expert) the tiles
 
 
 @pytest.mark.parametrize("t", [3, 19])

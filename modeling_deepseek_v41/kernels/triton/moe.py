@@ -14,6 +14,8 @@ CUDA cores (moe_rows.py), and for their prefills torch's grouped GEMM over bf16 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -30,9 +32,26 @@ from .quant import fp8_act_qdq, fp8_act_quant
 from .workspace import split_buffers
 
 MOE_DECODE_MAX_TOKENS = 256
-# the rows formulation (moe_rows) up to this many tokens: a batch-1 step, DSpark's verify and draft (one formulation
-# for all, so they stay batch invariant); past it the tiles win where an expert sees several rows (H200, 32 experts)
+# the rows formulation (moe_rows) up to at least this many tokens: a batch-1 step, DSpark's verify and draft (one
+# formulation for all, so they stay batch invariant)
 MOE_ROWS_MAX_TOKENS = 8
+# and further while the tokens' chosen experts (uniform routing) see at most this many rows each: the rows
+# formulation reads an expert once per row, the tiles once per block of rows (H200, one layer of 384 experts, 32
+# tokens: 1.3 rows each, rows 1,711 us against the tiles' 2,800; over 32 experts, 6 rows each, 1,447 against 648)
+ROWS_PER_EXPERT = 2.0
+
+
+@functools.lru_cache(maxsize=None)
+def rows_token_limit(top_k: int, n_experts: int) -> int:
+    """The largest token count the rows formulation takes for this routing (from the shapes alone, so one model
+    always splits the regimes at the same count)."""
+    def rows_per_expert(tokens: int) -> float:
+        pairs = tokens * top_k
+        return pairs / (n_experts * (1.0 - (1.0 - 1.0 / n_experts) ** pairs))
+    limit = MOE_ROWS_MAX_TOKENS
+    while limit < MOE_DECODE_MAX_TOKENS and rows_per_expert(limit + 1) <= ROWS_PER_EXPERT:
+        limit += 1
+    return limit
 MOE_DECODE_TILE = {"BN": 64, "BM": 16, "BK": 128, "num_warps": 4, "num_stages": 3}
 MOE_PREFILL_TILE = {"BN": 128, "BM": 64, "BK": 64, "num_warps": 8, "num_stages": 3}
 # K columns per split in the decode regime (a constant, so the split count depends on the shapes only): at one
@@ -187,7 +206,7 @@ def grouped_moe(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
     value times its scale in bf16 so one dot spans every BK columns: at 32 tokens over 32 experts 749 -> 648 us
     per layer against the f16 slices, H200). fp8_dot=True: FP8 tensor cores (W4A8; e4m3 h and its
     scales between the kernels), Hopper's FP8 dots summing below fp32 precision.
-    rows (default: packed FP4 experts up to MOE_ROWS_MAX_TOKENS tokens, unless f16_slices or fp8_dot is asked): one
+    rows (default: packed FP4 experts up to rows_token_limit tokens, unless f16_slices or fp8_dot is asked): one
     activation row at a time on the CUDA cores (moe_rows.py), the same exact numbers without the tensor-core tiles'
     wasted rows and operand shuffles.
     f16_slices (asked for: benchmarks): packed FP4 tiles in 32-column fp16 slices (common.fp4_f16_dot_k_range: e4m3
@@ -217,7 +236,8 @@ def grouped_moe(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
     decode = t <= MOE_DECODE_MAX_TOKENS
     fp8_dot = quantized and fp8_dot
     if rows is None:
-        rows = t <= MOE_ROWS_MAX_TOKENS and fmt == FMT_FP4_ROW and not fp8_dot and f16_slices is None
+        rows = (t <= rows_token_limit(top_k, n_experts) and fmt == FMT_FP4_ROW and not fp8_dot
+                and f16_slices is None)
     elif rows and (fmt != FMT_FP4_ROW or fp8_dot or f16_slices):
         raise ValueError("rows takes packed FP4 experts and excludes fp8_dot and f16_slices")
     route = weights.reshape(-1).to(torch.float32).contiguous()
