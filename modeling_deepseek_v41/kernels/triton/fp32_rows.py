@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import arrive_last, reduce_sum, sum_partials
+from .common import reduce_sum
+from .splits import arrive_last, sum_partials
 from .workspace import split_buffers
 
 ROWS_TILE = {"BN": 32, "BK": 64, "BM": 4, "num_warps": 4, "num_stages": 3}

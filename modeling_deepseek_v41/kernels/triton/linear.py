@@ -26,11 +26,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (FMT_DENSE, FMT_FP4_ROW, FMT_FP8_ROW, FMT_FP8_TILE, FP8_TILE, arrive_last, cast, dot_k_range,
-                     k_slice, pair_operands, sum_partials, weight_scale, weight_slice)
+from .common import (FMT_DENSE, FMT_FP4_ROW, FMT_FP8_ROW, FMT_FP8_TILE, FP8_TILE, cast, dot_k_range, k_slice,
+                     weight_scale, weight_slice)
 from .fp32_rows import fp32_rows_linear
 from .linear_rows import ROWS_MAX_ROWS, rows_linear
 from .quant import fp8_act_qdq, fp8_act_quant
+from .splits import arrive_last, pair_operands, sum_partials
 from .workspace import split_buffers
 
 DECODE_MAX_ROWS = 256

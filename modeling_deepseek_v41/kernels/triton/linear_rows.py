@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import FP8_TILE, arrive_last, cast, e8m0_value, pair_operands, reduce_sum, sum_partials
+from .common import FP8_TILE, cast, e8m0_value, reduce_sum
+from .splits import arrive_last, pair_operands, sum_partials
 from .workspace import split_buffers
 
 ROWS_MAX_ROWS = 8

@@ -20,8 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (FMT_DENSE, FMT_FP4_ROW, FMT_FP8_ROW, FP4_ROW, arrive_last, cast, dot_k_range,
-                     fp4_f16_dot_k_range, sum_partials)
+from .common import FMT_DENSE, FMT_FP4_ROW, FMT_FP8_ROW, FP4_ROW, cast, dot_k_range, fp4_f16_dot_k_range
 from .fp4_dot import fp4_scaled_dot, slice_width
 from .linear import _TL_DTYPES, dot_dtype_for, launch_tile
 from .moe_grouped_gemm import grouped_gemm_moe, grouped_gemm_pays
@@ -29,6 +28,7 @@ from .moe_rows import ROWS_TILE, rows_moe
 from .moe_schedule import moe_schedule
 from .moe_swiglu import swiglu_store
 from .quant import fp8_act_qdq, fp8_act_quant
+from .splits import arrive_last, sum_partials
 from .workspace import split_buffers
 
 MOE_DECODE_MAX_TOKENS = 256

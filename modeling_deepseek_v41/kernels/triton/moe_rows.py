@@ -17,11 +17,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import arrive_last, cast, e8m0_byte_value, fp4_word_nibbles, reduce_sum, sum_partials
+from .common import cast, e8m0_byte_value, fp4_word_nibbles, reduce_sum
 from .fp4_dot import slice_width
 from .linear import _TL_DTYPES
 from .moe_swiglu import swiglu_store
 from .quant import fp8_act_qdq
+from .splits import arrive_last, sum_partials
 from .workspace import split_buffers
 
 # the fastest of a sweep on the H200 (num_stages > 1, Triton's cp.async pipeline of the slices, not yet measured)
