@@ -6,6 +6,8 @@ Imports only torch and triton; the model imports this package lazily, when a CUD
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
@@ -15,8 +17,9 @@ FMT_FP4_ROW = 2  # packed e2m1 [N, K/2] (even element in the low nibble), E8M0 s
 FMT_FP8_ROW = 3  # e4m3 [N, K] re-encoded from FP4 (values exact), E8M0 scale per (row, 32) [N, K/32]
 # the same codes as compile-time constants, for the kernels' branches on their WFMT argument (the launches pass ints)
 DENSE, FP8_TILE, FP4_ROW = tl.constexpr(FMT_DENSE), tl.constexpr(FMT_FP8_TILE), tl.constexpr(FMT_FP4_ROW)
-# read when the kernels are defined, as triton.jit does to pick the interpreter
-INTERPRETED = tl.constexpr(bool(triton.knobs.runtime.interpret))
+# read when the kernels are defined, as triton.jit does to pick the interpreter (without knobs: the variable it reads)
+INTERPRETED = tl.constexpr(bool(triton.knobs.runtime.interpret) if hasattr(triton, "knobs")
+                           else os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
 @triton.jit
