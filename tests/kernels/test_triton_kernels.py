@@ -525,8 +525,12 @@ def test_grouped_moe_split_k_sums_in_one_launch(quantized, rows):
 @pytest.mark.parametrize("t", [MOE_ROWS_MAX_TOKENS, 19])
 def test_grouped_moe_is_batch_invariant(t):
     """Within each formulation's token range (the rows up to MOE_ROWS_MAX_TOKENS, the tiles above) a token's sum
-    does not depend on the other tokens of the call."""
+    does not depend on the other tokens of the call (with 8 tokens the rows formulation takes its rows two at a
+    time, a token alone one at a time)."""
+    from modeling_deepseek_v41.kernels.triton.moe_rows import PAIR_ROWS, rows_per_expert
+
     n_experts, d, inter, top_k = 6, 64, 64, 3
+    assert rows_per_expert(1, top_k, n_experts) < PAIR_ROWS <= rows_per_expert(MOE_ROWS_MAX_TOKENS, top_k, n_experts)
     stacks = _experts(n_experts, d, inter, True, seed=30)
     tokens = _randn(t, d, seed=33, dtype=torch.bfloat16)
     experts, weights = _routing(t, n_experts, top_k, seed=34)

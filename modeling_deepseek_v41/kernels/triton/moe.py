@@ -24,7 +24,7 @@ from .common import FMT_DENSE, FMT_FP4_ROW, FMT_FP8_ROW, FP4_ROW, cast, dot_k_ra
 from .fp4_dot import fp4_scaled_dot, slice_width
 from .linear import _TL_DTYPES, dot_dtype_for, launch_tile
 from .moe_grouped_gemm import grouped_gemm_moe, grouped_gemm_pays
-from .moe_rows import ROWS_TILE, rows_moe
+from .moe_rows import ROWS_TILE, rows_moe, rows_per_expert
 from .moe_schedule import moe_schedule
 from .moe_swiglu import swiglu_store
 from .quant import fp8_act_qdq, fp8_act_quant
@@ -45,11 +45,8 @@ ROWS_PER_EXPERT = 2.0
 def rows_token_limit(top_k: int, n_experts: int) -> int:
     """The largest token count the rows formulation takes for this routing (from the shapes alone, so one model
     always splits the regimes at the same count)."""
-    def rows_per_expert(tokens: int) -> float:
-        pairs = tokens * top_k
-        return pairs / (n_experts * (1.0 - (1.0 - 1.0 / n_experts) ** pairs))
     limit = MOE_ROWS_MAX_TOKENS
-    while limit < MOE_DECODE_MAX_TOKENS and rows_per_expert(limit + 1) <= ROWS_PER_EXPERT:
+    while limit < MOE_DECODE_MAX_TOKENS and rows_per_expert(limit + 1, top_k, n_experts) <= ROWS_PER_EXPERT:
         limit += 1
     return limit
 MOE_DECODE_TILE = {"BN": 64, "BM": 16, "BK": 128, "num_warps": 4, "num_stages": 3}

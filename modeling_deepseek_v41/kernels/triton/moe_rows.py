@@ -29,6 +29,15 @@ from .workspace import split_buffers
 ROWS_TILE = {"BN": 64, "BK": 128, "BM": 16, "num_warps": 4, "num_stages": 1}
 # K columns per split, constants so the split count depends on the shapes only (fills the GPU at one token)
 ROWS_K_CHUNK = {"up": 1280, "down": 1152}
+# rows two at a time (each weight slice unpacked once for both; more registers) from this many expected rows per
+# chosen expert: offline sm_90 SASS, 748 instructions per slice for a pair against 530 per row alone
+PAIR_ROWS = 1.25
+
+
+def rows_per_expert(tokens: int, top_k: int, n_experts: int) -> float:
+    """The expected rows per chosen expert of `tokens` tokens routed uniformly to top_k of n_experts."""
+    pairs = tokens * top_k
+    return pairs / (n_experts * (1.0 - (1.0 - 1.0 / n_experts) ** pairs)) if pairs else 0.0
 
 
 @triton.jit
@@ -39,49 +48,70 @@ def _slice_words(w_ptr, s_ptr, words, scales, k):
 
 
 @triton.jit
-def _slice_dot(word, byte, x, k, KW, IEEE: tl.constexpr):
-    """[BN, BK/32] partial sums of one slice: the weight rows' words [BN, BK/8] times the row's nibble-major
-    activations (x: the slice's word offsets [BK/8], loaded once per nibble and broadcast over the weight rows a
-    thread holds), each 32-column group scaled by its E8M0 scale (and 2^6, undoing fp4_word_nibbles' 2^-6)."""
+def _slice_values(word, byte, IEEE: tl.constexpr):
+    """One slice's weights as fp32: the 8 nibbles of its words [BN, BK/8] (values x 2^-6, fp4_word_nibbles) and the
+    32-column groups' scales [BN, BK/32] (times 2^6, undoing it)."""
     v0, v1, v2, v3, v4, v5, v6, v7 = fp4_word_nibbles(word, IEEE)
-    xk = x + tl.multiple_of(k // 8, 4)
-    part = v0.to(tl.float32) * tl.load(xk)[None, :]
-    part += v1.to(tl.float32) * tl.load(xk + KW)[None, :]
-    part += v2.to(tl.float32) * tl.load(xk + 2 * KW)[None, :]
-    part += v3.to(tl.float32) * tl.load(xk + 3 * KW)[None, :]
-    part += v4.to(tl.float32) * tl.load(xk + 4 * KW)[None, :]
-    part += v5.to(tl.float32) * tl.load(xk + 5 * KW)[None, :]
-    part += v6.to(tl.float32) * tl.load(xk + 6 * KW)[None, :]
-    part += v7.to(tl.float32) * tl.load(xk + 7 * KW)[None, :]
-    group = reduce_sum(tl.reshape(part, [word.shape[0], word.shape[1] // 4, 4]), 2)
-    return group * (64.0 * e8m0_byte_value(byte))
+    return (v0.to(tl.float32), v1.to(tl.float32), v2.to(tl.float32), v3.to(tl.float32), v4.to(tl.float32),
+            v5.to(tl.float32), v6.to(tl.float32), v7.to(tl.float32), 64.0 * e8m0_byte_value(byte))
 
 
 @triton.jit
-def _row_dots(w_ptr, s_ptr, w2_ptr, s2_ptr, x_row, rows_n, k_start, k_stop, KW, stride_wn, stride_sn,
-              BN: tl.constexpr, BK: tl.constexpr, TWO: tl.constexpr, STAGES: tl.constexpr, IEEE: tl.constexpr):
-    """[BN] dot of weight rows rows_n with one activation row over columns k_start..k_stop (whole BK slices); TWO:
-    also the second weight's (the up projection's w1 and w3 in one pass over the row). STAGES > 1: Triton's
-    software pipeline copies the slices STAGES - 1 ahead into shared memory (cp.async; 6-8x slower on the H200)."""
+def _slice_dot(v0, v1, v2, v3, v4, v5, v6, v7, scale, x, k, KW):
+    """[BN, BK/32] partial sums of one slice (_slice_values) with one row's nibble-major activations (x: the slice's
+    word offsets [BK/8], loaded once per nibble and broadcast over the weight rows a thread holds), each 32-column
+    group times its scale."""
+    xk = x + tl.multiple_of(k // 8, 4)
+    part = v0 * tl.load(xk)[None, :]
+    part += v1 * tl.load(xk + KW)[None, :]
+    part += v2 * tl.load(xk + 2 * KW)[None, :]
+    part += v3 * tl.load(xk + 3 * KW)[None, :]
+    part += v4 * tl.load(xk + 4 * KW)[None, :]
+    part += v5 * tl.load(xk + 5 * KW)[None, :]
+    part += v6 * tl.load(xk + 6 * KW)[None, :]
+    part += v7 * tl.load(xk + 7 * KW)[None, :]
+    group = reduce_sum(tl.reshape(part, [v0.shape[0], v0.shape[1] // 4, 4]), 2)
+    return group * scale
+
+
+@triton.jit
+def _row_dots(w_ptr, s_ptr, w2_ptr, s2_ptr, x_row, x_next, has_next, rows_n, k_start, k_stop, KW, stride_wn,
+              stride_sn, BN: tl.constexpr, BK: tl.constexpr, TWO: tl.constexpr, PAIRS: tl.constexpr,
+              STAGES: tl.constexpr, IEEE: tl.constexpr):
+    """[BN] dots of weight rows rows_n with the activation row x_row and (PAIRS, when has_next) the row x_next,
+    over columns k_start..k_stop (whole BK slices): each slice unpacked once for both, each row summed alone in the
+    same order as by itself. TWO: also the second weight's (the up projection's w1 and w3 in one pass). Returns
+    (first, second) weight's dots of x_row, then of x_next. STAGES > 1: Triton's software pipeline copies the
+    slices STAGES - 1 ahead into shared memory (cp.async; 6-8x slower on the H200)."""
     G: tl.constexpr = BK // 32
     KW = tl.multiple_of(KW, 4)  # K is a multiple of 32
     w = tl.arange(0, BK // 8)
     words = rows_n[:, None] * stride_wn + w[None, :]
-    x = x_row + w
+    x, x2 = x_row + w, x_next + w
     scales = rows_n[:, None] * stride_sn + tl.arange(0, G)[None, :]
     acc = tl.full([BN, G], 0.0, tl.float32)
     acc2 = tl.full([BN, G], 0.0, tl.float32)
+    nxt = tl.full([BN, G], 0.0, tl.float32)
+    nxt2 = tl.full([BN, G], 0.0, tl.float32)
     for k in tl.range(k_start, k_stop, BK, num_stages=STAGES):
         word, byte = _slice_words(w_ptr, s_ptr, words, scales, k)
-        acc += _slice_dot(word, byte, x, k, KW, IEEE)
+        v0, v1, v2, v3, v4, v5, v6, v7, scale = _slice_values(word, byte, IEEE)
+        acc += _slice_dot(v0, v1, v2, v3, v4, v5, v6, v7, scale, x, k, KW)
+        if PAIRS:
+            if has_next:
+                nxt += _slice_dot(v0, v1, v2, v3, v4, v5, v6, v7, scale, x2, k, KW)
         if TWO:
             word2, byte2 = _slice_words(w2_ptr, s2_ptr, words, scales, k)
-            acc2 += _slice_dot(word2, byte2, x, k, KW, IEEE)
-    first = reduce_sum(acc, 1)
-    second = first
+            v0, v1, v2, v3, v4, v5, v6, v7, scale = _slice_values(word2, byte2, IEEE)
+            acc2 += _slice_dot(v0, v1, v2, v3, v4, v5, v6, v7, scale, x, k, KW)
+            if PAIRS:
+                if has_next:
+                    nxt2 += _slice_dot(v0, v1, v2, v3, v4, v5, v6, v7, scale, x2, k, KW)
+    first, first_next = reduce_sum(acc, 1), reduce_sum(nxt, 1)
+    second, second_next = first, first_next
     if TWO:
-        second = reduce_sum(acc2, 1)
-    return first, second
+        second, second_next = reduce_sum(acc2, 1), reduce_sum(nxt2, 1)
+    return first, second, first_next, second_next
 
 
 @triton.jit
@@ -95,11 +125,23 @@ def _row_swiglu(gate, up, r, pair, route_ptr, h_ptr, offs_n, N, limit, stride_hm
 
 
 @triton.jit
+def _up_result(gate, up, r, pair, splits, part, P, route_ptr, h_ptr, offs_n, N, limit, stride_hm, BN: tl.constexpr,
+               ROUND_DTYPE: tl.constexpr, H_DTYPE: tl.constexpr, HAS_LIMIT: tl.constexpr):
+    """Sorted row r's gate and up sums: its SwiGLU (one split), or this split's partials at `part`."""
+    if splits == 1:
+        _row_swiglu(gate, up, r, pair, route_ptr, h_ptr, offs_n, N, limit, stride_hm, BN, ROUND_DTYPE, H_DTYPE,
+                    HAS_LIMIT)
+    else:
+        tl.store(part + r * N + offs_n, gate, mask=offs_n < N)
+        tl.store(part + P * N + r * N + offs_n, up, mask=offs_n < N)
+
+
+@triton.jit
 def _moe_rows_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, route_ptr, pair_ptr, block_expert_ptr,
                         block_start_ptr, block_end_ptr, part_ptr, count_ptr, P, N, K, k_chunk, splits, top_k, limit,
                         stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_hm,
                         BN: tl.constexpr, BK: tl.constexpr, ROUND_DTYPE: tl.constexpr, H_DTYPE: tl.constexpr,
-                        HAS_LIMIT: tl.constexpr, STAGES: tl.constexpr, IEEE: tl.constexpr):
+                        HAS_LIMIT: tl.constexpr, PAIRS: tl.constexpr, STAGES: tl.constexpr, IEEE: tl.constexpr):
     """h for the rows of one block of one expert, BN columns, one split of K: w1 and w3 in one pass per row; with
     splits, the last program of the tile sums the partials and applies the SwiGLU."""
     b = tl.program_id(0)
@@ -114,17 +156,19 @@ def _moe_rows_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, route_ptr,
         k_start = tl.program_id(2) * k_chunk
         k_stop = tl.minimum(k_start + k_chunk, K)
         split_stride = 2 * P * N  # per split: the gate partials, then the up partials
-        for r in range(start, end):
+        for r in range(start, end, 1 + PAIRS):  # PAIRS: rows two at a time, each weight slice unpacked once
+            has_next = r + 1 < end
             pair = tl.load(pair_ptr + r)
-            gate, up = _row_dots(w1, s1, w3, s3, x_ptr + (pair // top_k).to(tl.int64) * stride_xm, rows_n, k_start,
-                                 k_stop, K // 8, stride_wn, stride_sn, BN, BK, True, STAGES, IEEE)
-            if splits == 1:
-                _row_swiglu(gate, up, r, pair, route_ptr, h_ptr, offs_n, N, limit, stride_hm, BN, ROUND_DTYPE,
-                            H_DTYPE, HAS_LIMIT)
-            else:
-                offs = part_ptr + tl.program_id(2) * split_stride + r * N + offs_n
-                tl.store(offs, gate, mask=offs_n < N)
-                tl.store(offs + P * N, up, mask=offs_n < N)
+            pair_next = tl.load(pair_ptr + tl.minimum(r + 1, end - 1))
+            gate, up, gate_next, up_next = _row_dots(
+                w1, s1, w3, s3, x_ptr + (pair // top_k).to(tl.int64) * stride_xm,
+                x_ptr + (pair_next // top_k).to(tl.int64) * stride_xm, has_next, rows_n, k_start, k_stop, K // 8,
+                stride_wn, stride_sn, BN, BK, True, PAIRS, STAGES, IEEE)
+            _up_result(gate, up, r, pair, splits, part_ptr + tl.program_id(2) * split_stride, P, route_ptr, h_ptr,
+                       offs_n, N, limit, stride_hm, BN, ROUND_DTYPE, H_DTYPE, HAS_LIMIT)
+            if PAIRS and has_next:
+                _up_result(gate_next, up_next, r + 1, pair_next, splits, part_ptr + tl.program_id(2) * split_stride,
+                           P, route_ptr, h_ptr, offs_n, N, limit, stride_hm, BN, ROUND_DTYPE, H_DTYPE, HAS_LIMIT)
         if splits > 1:
             if arrive_last(count_ptr, b * tl.num_programs(1) + tl.program_id(1), splits):
                 for r in range(start, end):
@@ -135,10 +179,21 @@ def _moe_rows_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, route_ptr,
 
 
 @triton.jit
+def _down_result(acc, r, splits, pair_ptr, c_ptr, part, offs_n, N, stride_cm, ROUND_DTYPE: tl.constexpr):
+    """Sorted row r's sums: its contribution rounded to the activation dtype (one split), or this split's partials
+    at `part`."""
+    if splits == 1:
+        tl.store(c_ptr + tl.load(pair_ptr + r).to(tl.int64) * stride_cm + offs_n,
+                 cast(cast(acc, ROUND_DTYPE).to(tl.float32), c_ptr.dtype.element_ty), mask=offs_n < N)
+    else:
+        tl.store(part + r * N + offs_n, acc, mask=offs_n < N)
+
+
+@triton.jit
 def _moe_rows_down_kernel(h_ptr, w2_ptr, s2_ptr, c_ptr, pair_ptr, block_expert_ptr, block_start_ptr, block_end_ptr,
                           part_ptr, count_ptr, P, N, K, k_chunk, splits, stride_hm, stride_we, stride_wn, stride_se,
                           stride_sn, stride_cm, BN: tl.constexpr, BK: tl.constexpr, ROUND_DTYPE: tl.constexpr,
-                          STAGES: tl.constexpr, IEEE: tl.constexpr):
+                          PAIRS: tl.constexpr, STAGES: tl.constexpr, IEEE: tl.constexpr):
     """contribution[pair, n] = h[sorted row] @ w2[expert]^T rounded to the activation dtype, row by row (one split
     of K per program; with splits, the last program of the tile sums the partials)."""
     b = tl.program_id(0)
@@ -151,14 +206,17 @@ def _moe_rows_down_kernel(h_ptr, w2_ptr, s2_ptr, c_ptr, pair_ptr, block_expert_p
         rows_n = tl.minimum(offs_n, N - 1)
         k_start = tl.program_id(2) * k_chunk
         k_stop = tl.minimum(k_start + k_chunk, K)
-        for r in range(start, end):
-            acc, _ = _row_dots(w2, s2, w2, s2, h_ptr + r * stride_hm, rows_n, k_start, k_stop, K // 8,
-                               stride_wn, stride_sn, BN, BK, False, STAGES, IEEE)
-            if splits == 1:
-                tl.store(c_ptr + tl.load(pair_ptr + r).to(tl.int64) * stride_cm + offs_n,
-                         cast(cast(acc, ROUND_DTYPE).to(tl.float32), c_ptr.dtype.element_ty), mask=offs_n < N)
-            else:
-                tl.store(part_ptr + tl.program_id(2) * P * N + r * N + offs_n, acc, mask=offs_n < N)
+        for r in range(start, end, 1 + PAIRS):  # PAIRS: rows two at a time, each weight slice unpacked once
+            has_next = r + 1 < end
+            acc, _, acc_next, _ = _row_dots(w2, s2, w2, s2, h_ptr + r * stride_hm,
+                                            h_ptr + tl.minimum(r + 1, end - 1) * stride_hm, has_next, rows_n,
+                                            k_start, k_stop, K // 8, stride_wn, stride_sn, BN, BK, False, PAIRS,
+                                            STAGES, IEEE)
+            _down_result(acc, r, splits, pair_ptr, c_ptr, part_ptr + tl.program_id(2) * P * N, offs_n, N, stride_cm,
+                         ROUND_DTYPE)
+            if PAIRS and has_next:
+                _down_result(acc_next, r + 1, splits, pair_ptr, c_ptr, part_ptr + tl.program_id(2) * P * N, offs_n,
+                             N, stride_cm, ROUND_DTYPE)
         if splits > 1:
             if arrive_last(count_ptr, b * tl.num_programs(1) + tl.program_id(1), splits):
                 for r in range(start, end):
@@ -194,7 +252,9 @@ def rows_moe(tokens: torch.Tensor, route: torch.Tensor, schedule: tuple, w1: tor
     h = torch.empty(pairs, inter, dtype=torch.float32, device=tokens.device)
     w1, w3, w2 = (w.view(torch.int32) for w in (w1, w3, w2))
     s1, s3, s2 = (s.view(torch.uint8) for s in (s1, s3, s2))
-    launch = dict(num_warps=tile["num_warps"], IEEE=ieee, BN=tile["BN"], STAGES=tile.get("num_stages", 1))
+    # pairs where the blocks hold several rows (a row's sums are the same either way: batch invariant)
+    launch = dict(num_warps=tile["num_warps"], IEEE=ieee, BN=tile["BN"], STAGES=tile.get("num_stages", 1),
+                  PAIRS=rows_per_expert(t, top_k, w1.shape[0]) >= PAIR_ROWS)
     rounding = dict(ROUND_DTYPE=_TL_DTYPES[act_dtype])
     grid, part, count, k_chunk, splits, bk = _launch(nb, inter, d, chunks["up"], tile["BN"], tile["BK"], 2 * pairs,
                                                      tokens.device)
