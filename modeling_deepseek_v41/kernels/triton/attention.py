@@ -6,7 +6,8 @@ logits for all heads at once (each entry dequantized once), phase 2 runs the ref
 blocks in order (probabilities rounded to bf16 against the running max in the numerator, fp32 in the denominator,
 the sink added at the end) per group of heads and output dims, and the inverse RoPE. That is
 `kernels.sparse_attention.attend_stored`'s exact path, computed with tensor-core dots (every entry value is exact
-in bf16, so only the fp32 summation order differs).
+in bf16, so only the fp32 summation order differs). Prefill-sized calls dequantize the ring and pool once into one
+table and list each row's entries as its rows in a third, small launch, so both phases gather without masks.
 """
 
 from __future__ import annotations

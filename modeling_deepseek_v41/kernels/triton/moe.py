@@ -49,6 +49,8 @@ def rows_token_limit(top_k: int, n_experts: int) -> int:
     while limit < MOE_DECODE_MAX_TOKENS and rows_per_expert(limit + 1, top_k, n_experts) <= ROWS_PER_EXPERT:
         limit += 1
     return limit
+
+
 MOE_DECODE_TILE = {"BN": 64, "BM": 16, "BK": 128, "num_warps": 4, "num_stages": 3}
 MOE_PREFILL_TILE = {"BN": 128, "BM": 64, "BK": 64, "num_warps": 8, "num_stages": 3}
 # K columns per split in the decode regime (a constant, so the split count depends on the shapes only): at one
