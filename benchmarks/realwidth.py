@@ -344,7 +344,8 @@ def restore_parts(model, path: Path) -> dict:
         synchronize(model.device)
         parts["restore_fingerprint_s"].append(time.perf_counter() - begin)
         begin = time.perf_counter()
-        [t.to(model.device) for t in tensors.values()]
+        for tensor in tensors.values():
+            tensor.to(model.device)
         synchronize(model.device)
         parts["restore_to_device_s"].append(time.perf_counter() - begin)
     return {key: statistics.median(times) for key, times in parts.items()}
