@@ -18,7 +18,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ..numerics import fp4_dequantize_rows, fp8_dequantize_rows
 from .common import cast, e2m1_value, reduce_max, reduce_sum
 
 
@@ -54,6 +53,7 @@ PREFILL_TILES = Tiles(logit_entries=64, qk_chunk=128, logit_warps=4, block_heads
 # result bit for bit), not each entry per query (H200, 16K exact prefill: 3,256 -> 2,851 ms)
 PREFILL_TABLES = True
 LOGITS_BYTES = 1 << 28  # the most a launch's logits take (a long prefill runs its rows in slices)
+TABLE_ROWS, TABLE_DIMS = 32, 128  # stored rows and dims per program of the tables' dequantization
 # rows are a grid's second axis (limit 65,535), so a row's programs run next to each other and share its q and logits
 MAX_GRID_ROWS = 65535
 
@@ -113,6 +113,39 @@ def _pool_chunk(codes_ptr, scales_ptr, row, valid, c0, D: tl.constexpr, DC: tl.c
     scale = scale.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
     values = tl.reshape(tl.reshape(values, [row.shape[0], DC // 16, 16]) * scale[:, :, None], [row.shape[0], DC])
     return tl.where(valid[:, None], values, 0.0).to(DOT)
+
+
+@triton.jit
+def _table_kernel(table_ptr, codes_ptr, scales_ptr, first, count, stride_tb, stride_cb, stride_sb, D: tl.constexpr,
+                  BR: tl.constexpr, DC: tl.constexpr, POOL: tl.constexpr, DOT: tl.constexpr):
+    """Table rows first .. first+count of one batch row: its ring's slots (POOL: its pool's rows) 0 .. count-1
+    dequantized, BR rows and DC dims per program."""
+    b = tl.program_id(2).to(tl.int64)
+    index = tl.program_id(0) * BR + tl.arange(0, BR)
+    ok = index < count
+    c0 = tl.program_id(1) * DC
+    if POOL:
+        values = _pool_chunk(codes_ptr + b * stride_cb, scales_ptr + b * stride_sb, index, ok, c0, D, DC, DOT)
+    else:
+        values = _window_chunk(codes_ptr + b * stride_cb, scales_ptr + b * stride_sb, index, ok, c0, D, DC, DOT)
+    tl.store(table_ptr + b * stride_tb + (first + index)[:, None] * D + c0 + tl.arange(0, DC)[None, :], values,
+             mask=ok[:, None])
+
+
+def _dequantized_table(ring, pool, dim: int, dtype: torch.dtype, dot) -> torch.Tensor:
+    """[B, 1 + ring slots + pool rows, dim]: a zero row, the ring's slots and the pool's rows (None: no pool)
+    dequantized (exact in `dtype`), one launch per source."""
+    batch, slots = ring.codes.shape[:2]
+    rows = pool.codes.shape[1] if pool is not None else 0
+    table = torch.empty(batch, 1 + slots + rows, dim, dtype=dtype, device=ring.codes.device)
+    table[:, 0].zero_()
+    dc = min(TABLE_DIMS, dim)
+    for source, first, count, is_pool in ((ring, 1, slots, False), (pool, 1 + slots, rows, True)):
+        if count:
+            _table_kernel[(triton.cdiv(count, TABLE_ROWS), dim // dc, batch)](
+                table, source.codes, source.scales, first, count, table.stride(0), source.codes.stride(0),
+                source.scales.stride(0), D=dim, BR=TABLE_ROWS, DC=dc, POOL=is_pool, DOT=dot)
+    return table
 
 
 @triton.jit
@@ -325,11 +358,8 @@ def stored_attention(q: torch.Tensor, rotation: torch.Tensor, rope_dim: int, pos
     entries = pos
     if tables:  # every stored row dequantized once (exact in DOT), not per query and head group
         table_dtype = {tl.float64: torch.float64, tl.float32: torch.float32, tl.bfloat16: torch.bfloat16}[dot]
-        parts = [torch.zeros(batch, 1, dim, dtype=table_dtype, device=q.device),
-                 fp8_dequantize_rows(ring.codes.view(torch.float8_e4m3fn), ring.scales, table_dtype)]
-        if has_pool:
-            parts.append(fp4_dequantize_rows(pool.codes, pool.scales.view(torch.float8_e4m3fn), table_dtype))
-        ring_codes = ring_scales = pool_codes = pool_scales = torch.cat(parts, dim=1)
+        table = _dequantized_table(ring, pool if has_pool else None, dim, table_dtype, dot)
+        ring_codes = ring_scales = pool_codes = pool_scales = table
         entries = torch.empty(per_launch, n_blocks * BLOCK_ENTRIES, dtype=torch.int32, device=q.device)
     storage = (ring_codes, ring_scales, ring.positions, pool_codes, pool_scales, topk, entries)
     shapes = (seq, heads, window, ring.width, ring.codes.shape[1], topk.shape[1] if has_pool else 0, n_blocks)
