@@ -29,7 +29,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from safetensors import safe_open
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -38,7 +37,7 @@ from loading import drop_cached  # noqa: E402
 from modeling_deepseek_v41 import DeepseekV41Config, DeepseekV41ForCausalLM  # noqa: E402
 from modeling_deepseek_v41.cache import DeepseekV41Cache  # noqa: E402
 from modeling_deepseek_v41.cache.fingerprint import fingerprint_mismatch  # noqa: E402
-from modeling_deepseek_v41.cache.persistence import content_checksum  # noqa: E402
+from modeling_deepseek_v41.cache.persistence import content_checksum, read_saved  # noqa: E402
 from modeling_deepseek_v41.layers.engram_hashing import engram_table_rows  # noqa: E402
 from modeling_deepseek_v41.model.generation import DeepseekV41CUDAGraphDecoder  # noqa: E402
 from modeling_deepseek_v41.model.generation.dspark import dspark_draft  # noqa: E402
@@ -332,9 +331,7 @@ def restore_parts(model, path: Path) -> dict:
     for _ in range(2):
         drop_cached(path.parent)
         begin = time.perf_counter()
-        with safe_open(path, framework="pt") as handle:
-            metadata = dict(handle.metadata() or {})
-            tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+        metadata, tensors = read_saved(path)
         parts["restore_read_s"].append(time.perf_counter() - begin)
         begin = time.perf_counter()
         content_checksum(metadata, tensors)

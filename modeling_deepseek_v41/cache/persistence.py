@@ -112,16 +112,20 @@ def _write_atomically(path: Path, tensors: dict[str, torch.Tensor], metadata: di
         os.close(folder)
 
 
+def read_saved(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """A saved cache file's header fields and tensors (on the CPU), unchecked; a clear error if unreadable."""
+    try:
+        with safe_open(path, framework="pt") as handle:
+            return dict(handle.metadata() or {}), {name: handle.get_tensor(name) for name in handle.keys()}
+    except _READ_ERRORS as error:
+        raise ValueError(f"{path} is not a readable saved cache (truncated or corrupted?): {error}") from error
+
+
 def load_cache(cache_class, path: str | os.PathLike, model, dspark: bool, crop_horizon: int):
     """Restore a saved prefix for `model` into a new `cache_class`. Every problem is reported before a cache is
     built."""
     path = Path(path)
-    try:
-        with safe_open(path, framework="pt") as handle:
-            metadata = dict(handle.metadata() or {})
-            tensors = {name: handle.get_tensor(name) for name in handle.keys()}
-    except _READ_ERRORS as error:
-        raise ValueError(f"{path} is not a readable saved cache (truncated or corrupted?): {error}") from error
+    metadata, tensors = read_saved(path)
     if metadata.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{path} has cache format {metadata.get('format_version')!r}; this code reads "
                          f"{FORMAT_VERSION!r}: save the prefix again with this version.")

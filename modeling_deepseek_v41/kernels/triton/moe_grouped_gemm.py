@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from .common import e8m0_byte_value
+from .fp4_dot import slice_width
 from .quant import fp8_act_qdq
 from .routing import swiglu
 
@@ -58,9 +59,7 @@ def fp4_to_bf16(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     k = 2 * half
     rows = packed.reshape(-1, half).contiguous()
     out = torch.empty(rows.shape[0], k, dtype=torch.bfloat16, device=packed.device)
-    bk = 256
-    while k % bk:
-        bk //= 2
+    bk = slice_width(k, 256)
     if rows.shape[0]:
         _fp4_bf16_kernel[(triton.cdiv(rows.shape[0], 32), k // bk)](
             rows, scale.reshape(-1, k // 32).contiguous().view(torch.uint8), out, rows.shape[0], k, BN=32, BK=bk,
