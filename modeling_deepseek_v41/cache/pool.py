@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.index_scores import StoredKeys
 from ..kernels.sparse_attention import StoredPool
 from ..layers.kv_store import PoolChunk
 from .packed_rows import PackedRows, latest_positions, scatter_rows_where
@@ -156,12 +157,10 @@ class StoredPoolView:
     def __init__(self, pool: Pool, rows: int, dtype: torch.dtype) -> None:
         self.pool, self.rows, self.dtype = pool, rows, dtype
         self.stored = StoredPool(pool.kv.codes, pool.kv.scales)
-        self._keys: torch.Tensor | None = None
 
-    def keys(self) -> torch.Tensor:
-        if self._keys is None:  # unpacked on first use, once per forward (scanning the history is the indexers')
-            self._keys = self.pool.keys.read(self.rows, self.dtype)
-        return self._keys
+    def keys(self) -> StoredKeys:
+        # packed: the scoring ops decode the rows they read (a decode step's candidates, not the whole pool)
+        return StoredKeys(self.pool.keys.codes, self.pool.keys.scales, self.rows)
 
     def gather(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return self.pool.kv.gather(rows, dtype)

@@ -200,10 +200,3 @@ def candidate_mask(blocks: torch.Tensor, block_size: int, width: int) -> torch.T
     keep = torch.zeros(*blocks.shape[:-1], n_blocks + 1, dtype=torch.bool, device=blocks.device)
     keep.scatter_(-1, torch.where(blocks >= 0, blocks, n_blocks), True)
     return keep[..., :n_blocks].repeat_interleave(block_size, dim=-1)[..., :width]
-
-
-def candidate_positions(blocks: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Chosen block ids [B,S,nb] -> the compressed positions they hold [B,S,nb*block_size], ascending (-1 unused)."""
-    offsets = torch.arange(block_size, device=blocks.device)
-    positions = blocks.unsqueeze(-1) * block_size + offsets
-    return torch.where(blocks.unsqueeze(-1) >= 0, positions, -1).flatten(-2)

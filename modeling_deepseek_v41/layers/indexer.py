@@ -6,9 +6,9 @@ import torch
 from torch import nn
 
 from ..kernels.fp4_rows import fp4_qdq, fp4_quantize_rows
-from ..kernels.index_scores import index_scores
+from ..kernels.index_scores import candidate_scores, index_scores, key_rows
 from ..kernels.numerics import INDEX_BLOCK
-from ..kernels.sparse_attention import candidate_mask, candidate_positions, select_candidate_blocks, topk_ascending
+from ..kernels.sparse_attention import candidate_mask, select_candidate_blocks, topk_ascending
 from .kv_store import PoolView
 from .linear import DeepseekV41Linear, DeepseekV41RMSNorm
 from .rotary import apply_rope_tail
@@ -53,11 +53,11 @@ class DeepseekV41Indexer(nn.Module):
         """x [B,S,D] normed input; qr [B,S,q_lora]; `pool` the view of the pool scored (its keys
         [B,N,index_head_dim]); visible [B,S] rows each query may see. Returns selected pool rows [B,S,k]
         ascending, -1 where nothing visible is left to select."""
-        keys = pool.keys()
+        keys = pool.keys()  # values, or a cache's packed keys (the scoring ops decode what they read)
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
         q = fp4_qdq(apply_rope_tail(q, rotation, self.rope_dim), INDEX_BLOCK, "e8m0")
         weights = self.weights_proj(x) * (self.head_dim**-0.5 * self.n_heads**-0.5)
-        k = min(self.topk, keys.shape[1])
+        k = min(self.topk, key_rows(keys))
         # decode-sized steps gather their candidate blocks' keys (cost independent of the pool length); prefills
         # and short pools score every row once, which is cheaper there
         gathered = (self.spec.uses_candidates and pool.decodes_incrementally and self._candidates_cover_topk()
@@ -74,7 +74,7 @@ class DeepseekV41Indexer(nn.Module):
                 candidates.append(select_candidate_blocks(scores, visible[:, queries], self.candidate_blocks,
                                                           self.candidate_block_size))
             elif self.spec.uses_candidates:
-                mask = candidate_mask(share.candidates[:, queries], self.candidate_block_size, keys.shape[1])
+                mask = candidate_mask(share.candidates[:, queries], self.candidate_block_size, key_rows(keys))
                 scores = scores.masked_fill(~mask, -torch.inf)
             recorded.append(scores)
             picked = topk_ascending(scores, k)
@@ -92,17 +92,12 @@ class DeepseekV41Indexer(nn.Module):
         scoring only inside the candidate blocks selects what the dense masked scoring selects."""
         return (self.candidate_blocks - 1) * self.candidate_block_size + 1 >= self.topk
 
-    def _select_in_candidates(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
-                              visible: torch.Tensor, blocks: torch.Tensor, k: int) -> torch.Tensor:
-        """Gather the candidate blocks' keys per query, then score only those (decode cost independent of the
-        pool length); ties still go to the earlier position because candidates are listed in position order."""
-        positions = candidate_positions(blocks, self.candidate_block_size)
-        valid = (positions >= 0) & (positions < visible.unsqueeze(-1))
+    def _select_in_candidates(self, q: torch.Tensor, weights: torch.Tensor, keys, visible: torch.Tensor,
+                              blocks: torch.Tensor, k: int) -> torch.Tensor:
+        """Score only the candidate blocks' keys per query (decode cost independent of the pool length); ties still
+        go to the earlier position because candidates are listed in position order."""
+        scores, positions = candidate_scores(q, weights, keys, visible, blocks, self.candidate_block_size)
         batch, seq, width = positions.shape
-        flat = torch.where(valid, positions, 0).reshape(batch, seq * width, 1).expand(-1, -1, keys.shape[-1])
-        gathered = keys.to(q.dtype).gather(1, flat).view(batch, seq, width, keys.shape[-1])
-        scores = torch.einsum("bshd,bsmd->bshm", q, gathered)
-        scores = (scores.relu() * weights.unsqueeze(-1)).sum(dim=2).masked_fill(~valid, -torch.inf)
         # candidates are in position order, so the chosen ones' positions are ascending too
         chosen = topk_ascending(scores, min(k, width), drop_unreachable=True)
         picked = torch.where(chosen >= 0, positions.gather(-1, chosen.clamp_min(0)), -1)

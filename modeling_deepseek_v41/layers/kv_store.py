@@ -20,6 +20,7 @@ from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 
+from ..kernels.index_scores import StoredKeys
 from ..kernels.sparse_attention import StoredPool, StoredWindow
 from .compressor import CompressorOutput
 
@@ -48,8 +49,9 @@ class PoolView(Protocol):
     decodes_incrementally: bool  # steps of a few tokens over stored rows: the indexers may gather candidates
     stored: StoredPool | None  # the packed rows for the fused decode attention (a cache), else None
 
-    def keys(self) -> torch.Tensor:
-        """Index keys [B, N, index_head_dim] of every visible row (unpacked once, shared by the pool's indexers)."""
+    def keys(self) -> torch.Tensor | StoredKeys:
+        """Index keys of every visible row: values [B, N, index_head_dim], or a cache's packed keys (the scoring
+        ops decode the rows they read)."""
 
     def gather(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows [B, ...] (valid ids) -> their KV [B, ..., hd] in `dtype`."""
