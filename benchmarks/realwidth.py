@@ -406,16 +406,23 @@ def main() -> None:
                         help="the prefill mode of both agent turns (the saved prefix, the new tokens, the cold turn)")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp"), help="where --agent-turn writes its cache")
     parser.add_argument("--bandwidth", type=float, default=4.8e12)
+    parser.add_argument("--pdl", choices=("off", "on", "both"), default="off",
+                        help="programmatic dependent launch of the kernels (both: the decode rows without, then with "
+                             "it; everything after runs with it)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/realwidth.py needs a CUDA GPU.")
+    from modeling_deepseek_v41.kernels.triton.launch import use_pdl
     start = time.perf_counter()
     model = build(released_config(args.mode, args.experts, args.engram_rows))
     weights_gib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
     print(json.dumps({"mode": args.mode, "experts": args.experts, "weights_gib": round(weights_gib, 2),
                       "build_s": round(time.perf_counter() - start, 1),
                       "device": torch.cuda.get_device_name()}), flush=True)
-    decode_rows(model, args.context, args.batches, args.steps, args.bandwidth, eager=not args.no_eager)
+    for pdl in {"off": [False], "on": [True], "both": [False, True]}[args.pdl]:
+        use_pdl(pdl)
+        print(json.dumps({"pdl": pdl}), flush=True)
+        decode_rows(model, args.context, args.batches, args.steps, args.bandwidth, eager=not args.no_eager)
     if not args.no_dspark:
         dspark_rows(model, args.context, args.steps)
     for batch in [1] if args.profile == [] else args.profile or []:

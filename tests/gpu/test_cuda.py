@@ -261,6 +261,33 @@ def test_cuda_graph_decode_replays_the_eager_steps(case_dir):
     assert rel <= MAX_MEDIAN_REL_L2 and top1 >= MIN_TOP1
 
 
+def test_programmatic_dependent_launch_gives_the_same_steps(case_dir):
+    """Kernels launched with PDL (each waits for the one before it inside): eager and graph-replayed static-cache
+    steps equal the steps launched without it, bit for bit."""
+    from modeling_deepseek_v41.cache import DeepseekV41Cache
+    from modeling_deepseek_v41.kernels.triton import launch
+    from modeling_deepseek_v41.model.generation import DeepseekV41CUDAGraphDecoder
+
+    model, ids, clean, prompt = _text_decode_case(case_dir)
+    with torch.no_grad():
+        cache = DeepseekV41Cache(model.config)
+        model(input_ids=ids[:, :prompt], cache=cache)
+        plain, eager, replayed = (copy.deepcopy(cache) for _ in range(3))
+        plain.make_static(clean)
+        want = [model(input_ids=ids[:, t:t + 1], cache=plain).logits[0, -1] for t in range(prompt, clean)]
+        launch.use_pdl(True)
+        try:
+            eager.make_static(clean)
+            got = [model(input_ids=ids[:, t:t + 1], cache=eager).logits[0, -1] for t in range(prompt, clean)]
+            decoder = DeepseekV41CUDAGraphDecoder(model, replayed, max_new_tokens=clean - prompt)
+            graphed = [decoder.step(ids[:, t:t + 1])[0, -1] for t in range(prompt, clean)]
+            decoder.close()
+        finally:
+            launch.use_pdl(False)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert all(torch.equal(g, w) for g, w in zip(graphed, want))
+
+
 @pytest.mark.skipif(not DEFAULT_CHECKPOINT.exists(), reason="examples/default-checkpoint is not built")
 def test_generate_with_cuda_graphs_gives_the_plain_tokens():
     from training.evaluate import text_prompts

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from .common import cast, e2m1_value, reduce_max, reduce_sum
+from .launch import launch_options, wait_for_inputs
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,7 @@ def _table_kernel(table_ptr, codes_ptr, scales_ptr, first, count, stride_tb, str
                   BR: tl.constexpr, DC: tl.constexpr, POOL: tl.constexpr, DOT: tl.constexpr):
     """Table rows first .. first+count of one batch row: its ring's slots (POOL: its pool's rows) 0 .. count-1
     dequantized, BR rows and DC dims per program."""
+    wait_for_inputs()
     b = tl.program_id(2).to(tl.int64)
     index = tl.program_id(0) * BR + tl.arange(0, BR)
     ok = index < count
@@ -144,7 +146,7 @@ def _dequantized_table(ring, pool, dim: int, dtype: torch.dtype, dot) -> torch.T
         if count:
             _table_kernel[(triton.cdiv(count, TABLE_ROWS), dim // dc, batch)](
                 table, source.codes, source.scales, first, count, table.stride(0), source.codes.stride(0),
-                source.scales.stride(0), D=dim, BR=TABLE_ROWS, DC=dc, POOL=is_pool, DOT=dot)
+                source.scales.stride(0), D=dim, BR=TABLE_ROWS, DC=dc, POOL=is_pool, DOT=dot, **launch_options())
     return table
 
 
@@ -195,6 +197,7 @@ def _entry_list_kernel(entries_ptr, pos_ptr, floor_ptr, ring_pos_ptr, topk_ptr, 
     """Prefill: block j of row r's entries (rows row0 onward) as rows of its batch row's dequantized table (a zero
     row for none, the ring's slots from 1, the pool's rows from 1 + ring_size), so that both phases gather each
     block with unmasked loads."""
+    wait_for_inputs()
     r = row0 + tl.program_id(1).to(tl.int64)
     j = tl.program_id(0)
     lane = tl.arange(0, BL)
@@ -242,6 +245,7 @@ def _attention_logits_kernel(q_ptr, rot_ptr, logits_ptr, pos_ptr, floor_ptr, rin
     """Phase 1: LE entries of block j of row r's entries dequantized once, their masked, scaled logits for BH heads
     (every dim); the logits of rows row0 onward. TABLES: the entries from the entry list and the dequantized table
     at ring_codes_ptr."""
+    wait_for_inputs()
     r = row0 + tl.program_id(1).to(tl.int64)  # (r * H + head) * D passes 2^31 past 65,536 rows
     j = tl.program_id(0) // (BL // LE)
     heads = tl.program_id(2) * BH + tl.arange(0, BH)
@@ -282,6 +286,7 @@ def _attention_output_kernel(rot_ptr, logits_ptr, o_ptr, sink_ptr, pos_ptr, floo
     """Phase 2: the reference's online softmax over the blocks in order (probabilities rounded to bf16 against the
     running max in the numerator, fp32 in the denominator, the sink at the end) for BH heads and DO output dims,
     then the inverse RoPE. TABLES: the entries as in phase 1."""
+    wait_for_inputs()
     r = row0 + tl.program_id(1).to(tl.int64)  # (r * H + head) * D passes 2^31 past 65,536 rows
     heads = tl.program_id(2) * BH + tl.arange(0, BH)
     h_ok = heads < H
@@ -373,13 +378,13 @@ def stored_attention(q: torch.Tensor, rotation: torch.Tensor, rope_dim: int, pos
             _entry_list_kernel[(n_blocks, count)](
                 entries, pos, floor_arg, ring.positions, topk, seq, window, ring.width, ring.codes.shape[1],
                 shapes[5], n_blocks, ring.positions.stride(0), topk.stride(0), row0, BL=BLOCK_ENTRIES,
-                HAS_FLOOR=floor is not None)
+                HAS_FLOOR=floor is not None, **launch_options())
         if n_blocks:
             grid = (n_blocks * (BLOCK_ENTRIES // tiles.logit_entries), count, triton.cdiv(heads, LOGIT_HEADS))
             _attention_logits_kernel[grid](
                 q, rot, logits, pos, floor_arg, *storage, *shapes, softmax_scale, *strides, row0, BH=LOGIT_HEADS,
-                LE=tiles.logit_entries, DC=dc, num_warps=tiles.logit_warps, **common)
+                LE=tiles.logit_entries, DC=dc, num_warps=tiles.logit_warps, **common, **launch_options())
         _attention_output_kernel[(dim // do, count, triton.cdiv(heads, tiles.block_heads))](
             rot, logits, out, sink, pos, floor_arg, *storage, *shapes, *strides, row0, BH=tiles.block_heads, DO=do,
-            ROUND_P=q.dtype == torch.bfloat16, num_warps=tiles.output_warps, **common)
+            ROUND_P=q.dtype == torch.bfloat16, num_warps=tiles.output_warps, **common, **launch_options())
     return out

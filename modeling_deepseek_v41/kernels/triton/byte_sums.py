@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from .common import reduce_sum
+from .launch import launch_options, wait_for_inputs
 
 BLOCK_BYTES = 4096
 BYTE_SUMS_WARPS = 4
@@ -26,6 +27,7 @@ def _byte_sums_kernel(address_ptr, length_ptr, first_ptr, coefficient_ptr, out_p
                       SEARCH_STEPS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     """Program = output slot: the tensor t with first[t] <= slot < first[t + 1] (binary search), then the weighted
     sum of its chunk slot - first[t] (the last one may be partial or empty)."""
+    wait_for_inputs()
     slot = tl.program_id(0)
     lo = slot * 0
     hi = lo + n_tensors
@@ -66,5 +68,5 @@ def byte_sums(tensors: list[torch.Tensor], coefficients: torch.Tensor) -> torch.
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         _byte_sums_kernel[(first[-1],)](addresses, lengths, first_slots, coefficients.to(torch.int32), out,
                                         len(tensors), SEARCH_STEPS=max(1, len(tensors).bit_length()), CHUNK=chunk,
-                                        BLOCK=BLOCK_BYTES, num_warps=BYTE_SUMS_WARPS)
+                                        BLOCK=BLOCK_BYTES, num_warps=BYTE_SUMS_WARPS, **launch_options())
     return out

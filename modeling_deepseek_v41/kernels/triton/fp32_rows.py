@@ -17,6 +17,7 @@ import triton.language as tl
 from .common import reduce_sum
 from .splits import arrive_last, sum_partials
 from .workspace import split_buffers
+from .launch import launch_options, wait_for_inputs
 
 ROWS_TILE = {"BN": 32, "BK": 64, "BM": 4, "num_warps": 4, "num_stages": 3}
 # more than BM rows: 8 rows per program over 16 weight rows (the same BK, so the same sums: H200, the head at 6 rows
@@ -33,6 +34,7 @@ MAX_SPLITS = 16
 def _fp32_rows_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, k_chunk, splits, stride_xm, stride_wn,
                       stride_om, BN: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, ACC: tl.constexpr):
     """out[m, n] = sum over k of x[m, k] w[n, k] for this program's BM rows, BN weight rows and split of K."""
+    wait_for_inputs()
     pid_m = tl.program_id(0)  # the row blocks of one weight tile run side by side: the tile is read once from HBM
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -87,5 +89,5 @@ def fp32_rows_linear(rows: torch.Tensor, weight: torch.Tensor, tile: dict | None
     _fp32_rows_kernel[grid](rows, weight, out, part, count, m, n, k, k_chunk, splits, rows.stride(0),
                             weight.stride(0), out.stride(0), BN=tile["BN"], BK=tile["BK"], BM=tile["BM"],
                             ACC=tl.float64 if weight.dtype == torch.float64 else tl.float32,
-                            num_warps=tile["num_warps"], num_stages=tile["num_stages"])
+                            num_warps=tile["num_warps"], num_stages=tile["num_stages"], **launch_options())
     return out

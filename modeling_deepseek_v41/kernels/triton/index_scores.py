@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from .common import cast, e2m1_value, e8m0_value, reduce_max, reduce_sum
+from .launch import launch_options, wait_for_inputs
 
 BLOCK_QUERIES, BLOCK_KEYS = 64, 128
 INDEX_WARPS = 8
@@ -44,6 +45,7 @@ def _index_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, vis_ptr, out_ptr, S, N, H,
                          stride_kb, stride_ksb, stride_vb, stride_ob, HD: tl.constexpr, BS: tl.constexpr,
                          BT: tl.constexpr, ACC: tl.constexpr, IEEE: tl.constexpr, PACKED: tl.constexpr):
     """Scores of queries s0 .. s0+BS against keys t0 .. t0+BT of batch row b; -inf where t >= visible[s]."""
+    wait_for_inputs()
     b = tl.program_id(2)
     s = tl.program_id(0) * BS + tl.arange(0, BS)
     t = tl.program_id(1) * BT + tl.arange(0, BT)
@@ -77,6 +79,7 @@ def _candidate_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, blocks_ptr, vis_ptr, o
                              BLOCK: tl.constexpr, ACC: tl.constexpr, IEEE: tl.constexpr, PACKED: tl.constexpr):
     """One query's scores of BT candidate slots (slot m: position blocks[m // BLOCK] * BLOCK + m % BLOCK), all
     heads in one dot; -inf and position -1 where the block is unused or the position not yet visible."""
+    wait_for_inputs()
     b = tl.program_id(2)
     s = tl.program_id(1)
     m = tl.program_id(0) * BT + tl.arange(0, BT)
@@ -133,7 +136,7 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor | tu
     _index_scores_kernel[grid](q, weights, k_arg, ks_arg, visible, out, seq, n, heads, q.stride(0), q.stride(1),
                                weights.stride(0), stride_kb, stride_ksb, visible.stride(0), out.stride(0), HD=dim,
                                BS=BLOCK_QUERIES, BT=BLOCK_KEYS, ACC=acc, num_warps=INDEX_WARPS, IEEE=_ieee(q),
-                               PACKED=packed)
+                               PACKED=packed, **launch_options())
     return out
 
 
@@ -156,5 +159,6 @@ def candidate_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor 
         q, weights, k_arg, ks_arg, blocks, visible, out, positions, seq, heads, width, q.stride(0), q.stride(1),
         weights.stride(0), weights.stride(1), stride_kb, stride_ksb, blocks.stride(0), blocks.stride(1),
         visible.stride(0), out.stride(0), out.stride(1), HD=dim, HP=max(MIN_DOT_ROWS, triton.next_power_of_2(heads)),
-        BT=CANDIDATE_KEYS, BLOCK=block_size, ACC=acc, IEEE=_ieee(q), PACKED=packed, num_warps=CANDIDATE_WARPS)
+        BT=CANDIDATE_KEYS, BLOCK=block_size, ACC=acc, IEEE=_ieee(q), PACKED=packed, num_warps=CANDIDATE_WARPS,
+        **launch_options())
     return out, positions

@@ -33,6 +33,7 @@ from .linear_rows import ROWS_MAX_ROWS, rows_linear
 from .quant import fp8_act_qdq, fp8_act_quant
 from .splits import arrive_last, pair_operands, sum_partials
 from .workspace import split_buffers
+from .launch import launch_options, wait_for_inputs
 
 DECODE_MAX_ROWS = 256
 # the fastest single tiling over the released shapes at 1 and 32 rows (benchmarks/kernel_tuning.py)
@@ -52,6 +53,7 @@ def _linear_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M,
     plain linear is one group), this program's split of K only; acc[BN, BM] holds the transpose.
     PAIR: a second weight w2 [N2, K] (same storage) on the same input: its tiles follow the first's `tiles1` tiles
     on the grid's second axis and write out2; the split partials [splits, M, N + N2] hold both."""
+    wait_for_inputs()
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     g = tl.program_id(2) // splits
@@ -88,6 +90,7 @@ def _linear_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M,
 def _dequantize_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_on,
                        BN: tl.constexpr, WFMT: tl.constexpr):
     """out[n, k] = weight value x scale in bf16 (exact), one [BN, 32] slice per program."""
+    wait_for_inputs()
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
     k0 = tl.program_id(1) * 32
     w = weight_slice(w_ptr, offs_n, k0, N, K, stride_wn, WFMT).to(tl.float32)
@@ -161,7 +164,7 @@ def run_linear(x2d: torch.Tensor, xs: torch.Tensor | None, weight: torch.Tensor,
         columns, w2, s2_arg, out2, n2, tiles1, out2.stride(0),
         BN=tile["BN"], BM=tile["BM"], BK=tile["BK"], WFMT=fmt, FP8_DOT=xs is not None,
         X_DTYPE=_TL_DTYPES[x_dtype], DOT_DTYPE=_TL_DTYPES[dot_dtype], IEEE=dot_dtype == torch.float32,
-        PAIR=second is not None, num_warps=tile["num_warps"], num_stages=tile["num_stages"])
+        PAIR=second is not None, num_warps=tile["num_warps"], num_stages=tile["num_stages"], **launch_options())
     return (out, out2) if second is not None else out
 
 
@@ -171,7 +174,7 @@ def dequantize_weight(weight: torch.Tensor, scale: torch.Tensor, fmt: int, n: in
     bn = 64
     _dequantize_kernel[(triton.cdiv(n, bn), triton.cdiv(k, 32))](
         weight, scale.view(torch.uint8), out, n, k, weight.stride(0), scale.stride(0), out.stride(0), BN=bn,
-        WFMT=fmt)
+        WFMT=fmt, **launch_options())
     return out
 
 

@@ -20,6 +20,7 @@ import triton.language as tl
 from .common import FP8_TILE, cast, e8m0_value, reduce_sum
 from .splits import arrive_last, pair_operands, sum_partials
 from .workspace import split_buffers
+from .launch import launch_options, wait_for_inputs
 
 ROWS_MAX_ROWS = 8
 ROWS_TILE = {"BN": 64, "BK": 256, "num_warps": 4, "num_stages": 1}  # kernel_tuning.py --only rows, H200
@@ -61,6 +62,7 @@ def _linear_rows_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N,
     rows and split of K; the group g (block-diagonal weights) and split come from the grid's second axis.
     PAIR: a second weight w2 [N2, K] of the same storage on the same input, its tiles after the first's `tiles1`;
     the partials [splits, M, N + N2] hold both. W_ROUND: a dtype the dense weight's values are rounded to first."""
+    wait_for_inputs()
     pid_n = tl.program_id(0)
     g = tl.program_id(1) // splits
     pid_s = tl.program_id(1) % splits
@@ -194,5 +196,5 @@ def rows_linear(x2d: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | N
         w2, s2_arg, out2, n2, tiles1, out2.stride(0),
         BN=tile["BN"], BK=tile["BK"], BM=row_block(m), WFMT=fmt, PAIR=second is not None,
         ACC=acc, W_ROUND=_ROUNDED.get(weight_round, acc),
-        num_warps=tile["num_warps"], num_stages=tile["num_stages"])
+        num_warps=tile["num_warps"], num_stages=tile["num_stages"], **launch_options())
     return (out, out2) if second is not None else out

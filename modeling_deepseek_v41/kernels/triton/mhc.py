@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from .common import cast, reduce_max, reduce_sum
+from .launch import launch_options, wait_for_inputs
 
 BLOCK_ROWS, DECODE_WARPS = 16, 4  # rows per program (the projection's dot needs 16)
 DECODE_ROWS = 256
@@ -93,6 +94,7 @@ def _hc_partials_kernel(streams_ptr, out_ptr, post_in_ptr, comb_in_ptr, new_ptr,
     comb_in [R, HC, HC] give the streams actually read (new = post_in * out + sum_i comb_in[i] * streams[i], stored
     to new_ptr). weights [R, HC]: this sublayer's read weights (the previous mixes' pre). Stores the split's
     partial projection, RMS statistic and collapse statistic, and x [R, D] = the collapse (normalised later)."""
+    wait_for_inputs()
     pid_r = tl.program_id(0).to(tl.int64)  # a row's streams start past 2^31 elements beyond 104,857 rows
     pid_s = tl.program_id(1)
     rows = pid_r * BR + tl.arange(0, BR)
@@ -149,6 +151,7 @@ def _hc_finish_kernel(part_ptr, scale_ptr, base_ptr, norm_ptr, pre_ptr, post_ptr
                       MIXP: tl.constexpr, ACC: tl.constexpr):
     """One row x one column chunk: the split partials summed (one fixed-shape reduction, so a row's result never
     depends on the row count), the collapse normalised; chunk 0 also runs the Sinkhorn and writes the mixes."""
+    wait_for_inputs()
     r = tl.program_id(0).to(tl.int64)
     pid_d = tl.program_id(1)
     stride = MIXP + 2
@@ -210,10 +213,11 @@ def hc_step(streams: torch.Tensor, read_weights: torch.Tensor, fn: torch.Tensor,
     _hc_partials_kernel[(triton.cdiv(r, block_rows), splits)](
         rows, _rows_or(output, rows), _rows_or(post, rows), _rows_or(comb, rows), new,
         read_weights.reshape(r, hc).contiguous(), fn.contiguous(), part, x, r, d, BR=block_rows, BD=block_d, HC=hc,
-        MIXP=MIX_COLUMNS, EXPAND=expand, ACC=acc, IEEE=ieee, SPLIT=split, num_warps=warps)
+        MIXP=MIX_COLUMNS, EXPAND=expand, ACC=acc, IEEE=ieee, SPLIT=split, num_warps=warps, **launch_options())
     _hc_finish_kernel[(r, triton.cdiv(d, NORM_CHUNK))](
         part, scale, base, norm_weight, pre_out, post_out, comb_out, x, r, d, splits, sinkhorn_iters, hc_eps, mix_eps,
-        norm_eps, SP=triton.next_power_of_2(splits), BD=NORM_CHUNK, HC=hc, MIXP=MIX_COLUMNS, ACC=acc, num_warps=4)
+        norm_eps, SP=triton.next_power_of_2(splits), BD=NORM_CHUNK, HC=hc, MIXP=MIX_COLUMNS, ACC=acc, num_warps=4,
+        **launch_options())
     return (new.view(*lead, hc, d), pre_out.view(*lead, hc), post_out.view(*lead, hc),
             comb_out.view(*lead, hc, hc), x.view(*lead, d))
 
@@ -222,6 +226,7 @@ def hc_step(streams: torch.Tensor, read_weights: torch.Tensor, fn: torch.Tensor,
 def _hc_expand_kernel(streams_ptr, out_ptr, post_ptr, comb_ptr, new_ptr, R, D, BD: tl.constexpr, HC: tl.constexpr,
                       ACC: tl.constexpr):
     """new[r, c] = post[r, c] * out[r] + sum_i comb[r, i, c] * streams[r, i], rounded to the streams' dtype."""
+    wait_for_inputs()
     r = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BD + tl.arange(0, BD)
     ok = d < D
@@ -245,5 +250,5 @@ def hc_expand(output: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, c
     _hc_expand_kernel[(r, triton.cdiv(d, block))](
         rows, output.reshape(r, d).contiguous(), post.reshape(r, hc).contiguous(),
         comb.reshape(r, hc * hc).contiguous(), new, r, d, BD=block, HC=hc, ACC=_ACC.get(streams.dtype, tl.float32),
-        num_warps=4)
+        num_warps=4, **launch_options())
     return new.view(*lead, hc, d)

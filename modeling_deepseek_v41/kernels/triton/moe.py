@@ -30,6 +30,7 @@ from .moe_swiglu import swiglu_store
 from .quant import fp8_act_qdq, fp8_act_quant
 from .splits import arrive_last, sum_partials
 from .workspace import split_buffers
+from .launch import launch_options, wait_for_inputs
 
 MOE_DECODE_MAX_TOKENS = 256
 # the rows formulation (moe_rows) up to at least this many tokens: a batch-1 step, DSpark's verify and draft (one
@@ -99,6 +100,7 @@ def _moe_up_kernel(x_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, hs_ptr,
                    H_DTYPE: tl.constexpr, HAS_LIMIT: tl.constexpr, QDQ_OUT: tl.constexpr, IEEE: tl.constexpr):
     """h[sorted row, n] for one block of rows of one expert and one split of K: both projections from one read of
     the activations; with splits, the last program of the tile sums the partials and applies the SwiGLU."""
+    wait_for_inputs()
     b = tl.program_id(0)
     start, end, sorted_rows, mask, pair = _block_rows(block_start_ptr, block_end_ptr, pair_ptr, b, BM)
     if start < end:  # blocks past the real count do nothing
@@ -138,6 +140,7 @@ def _moe_down_kernel(h_ptr, hs_ptr, w2_ptr, s2_ptr, c_ptr, pair_ptr, block_exper
                      IEEE: tl.constexpr):
     """contribution[pair, n] = h[sorted row] @ w2[expert]^T, rounded to the activation dtype (one split of K per
     program; with splits, the last program of the tile sums the partials)."""
+    wait_for_inputs()
     b = tl.program_id(0)
     start, end, sorted_rows, mask, pair = _block_rows(block_start_ptr, block_end_ptr, pair_ptr, b, BM)
     if start < end:  # blocks past the real count do nothing
@@ -166,6 +169,7 @@ def _combine_kernel(c_ptr, order_ptr, shared_ptr, y_ptr, D, top_k, stride_cm, st
     """y[t] = sum over the token's contributions in ascending expert order (fp32, starting from zero); SHARED: plus
     the shared expert's output, rounded to y's dtype (the reference's order: routed sum, shared, cast). order[t, j]:
     the slot of the token's j-th expert among its top_k contribution rows, or (ROWS) that contribution's row."""
+    wait_for_inputs()
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < D
@@ -299,7 +303,7 @@ def grouped_moe(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
         x, xs_arg, w1, s1_arg, w3, s3_arg, h, hs_arg, route, pair_of_row, block_expert, block_start, block_end,
         part, count, pairs, inter, d, k_chunk, splits, top_k, float(limit), x.stride(0), xs_arg.stride(0),
         w1.stride(0), w1.stride(1), s_e, s_n, h.stride(0), hs_arg.stride(0), H_DTYPE=_TL_DTYPES[act_dtype],
-        HAS_LIMIT=limit > 0, QDQ_OUT=quantized, **dict(dtypes, BK=up_tile["BK"]))
+        HAS_LIMIT=limit > 0, QDQ_OUT=quantized, **dict(dtypes, BK=up_tile["BK"]), **launch_options())
     contributions = torch.empty(pairs, d, dtype=act_dtype, device=tokens.device)
     s2_arg, s_e, s_n = _scale_args(s2, w2)
     grid, part, count, k_chunk, splits = _split_launch(nb, d, inter, chunks["down"], down_tile, pairs,
@@ -307,7 +311,7 @@ def grouped_moe(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
     _moe_down_kernel[grid](
         h, hs_arg, w2, s2_arg, contributions, pair_of_row, block_expert, block_start, block_end, part, count, pairs,
         d, inter, k_chunk, splits, h.stride(0), hs_arg.stride(0), w2.stride(0), w2.stride(1), s_e, s_n,
-        contributions.stride(0), **dict(dtypes, BK=down_tile["BK"]))
+        contributions.stride(0), **dict(dtypes, BK=down_tile["BK"]), **launch_options())
     return _combine(contributions, order, shared)
 
 
@@ -323,7 +327,7 @@ def _combine(contributions: torch.Tensor, order: torch.Tensor, shared: torch.Ten
     shared_arg = y if shared is None else shared
     _combine_kernel[(t, triton.cdiv(d, block))](contributions, order, shared_arg, y, d, top_k,
                                                 contributions.stride(0), shared_arg.stride(0), y.stride(0),
-                                                BLOCK=block, SHARED=shared is not None, ROWS=rows)
+                                                BLOCK=block, SHARED=shared is not None, ROWS=rows, **launch_options())
     return y
 
 

@@ -19,6 +19,7 @@ from .common import e8m0_byte_value
 from .fp4_dot import slice_width
 from .quant import fp8_act_qdq
 from .routing import swiglu
+from .launch import launch_options, wait_for_inputs
 
 GROUP_BYTES = 3 << 30  # bf16 expert copies held at a time (a 384-expert layer runs in groups of experts)
 # the copies cost the same whatever the rows; the tiles grow with them (H200, one 384-expert layer, fp4_to_bf16:
@@ -38,6 +39,7 @@ def _fp4_bf16_kernel(w_ptr, s_ptr, out_ptr, N, K, BN: tl.constexpr, BK: tl.const
     """out [N, K] bf16 = packed FP4 w [N, K/2] (the even column in the low nibble) times the E8M0 scales s [N, K/32],
     BK columns of BN rows per program. A nibble s|e1 e0|m is the e4m3 byte s|0 0 e1 e0|m 0 0, its value times 2^-6:
     exact, as is every product with a power of two that bf16 then holds."""
+    wait_for_inputs()
     rows = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)  # a 384-expert stack passes 2^31 elements
     ok = rows < N
     half = tl.program_id(1) * (BK // 2) + tl.arange(0, BK // 2)
@@ -63,7 +65,7 @@ def fp4_to_bf16(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     if rows.shape[0]:
         _fp4_bf16_kernel[(triton.cdiv(rows.shape[0], 32), k // bk)](
             rows, scale.reshape(-1, k // 32).contiguous().view(torch.uint8), out, rows.shape[0], k, BN=32, BK=bk,
-            num_warps=4)
+            num_warps=4, **launch_options())
     return out.view(*lead, n, k)
 
 

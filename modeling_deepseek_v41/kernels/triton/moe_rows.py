@@ -24,6 +24,7 @@ from .moe_swiglu import swiglu_store
 from .quant import fp8_act_qdq
 from .splits import arrive_last, sum_partials
 from .workspace import split_buffers
+from .launch import launch_options, wait_for_inputs
 
 # the fastest of a sweep on the H200 (num_stages > 1, Triton's cp.async pipeline of the slices, not yet measured)
 ROWS_TILE = {"BN": 64, "BK": 128, "BM": 16, "num_warps": 4, "num_stages": 1}
@@ -144,6 +145,7 @@ def _moe_rows_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, route_ptr,
                         HAS_LIMIT: tl.constexpr, PAIRS: tl.constexpr, STAGES: tl.constexpr, IEEE: tl.constexpr):
     """h for the rows of one block of one expert, BN columns, one split of K: w1 and w3 in one pass per row; with
     splits, the last program of the tile sums the partials and applies the SwiGLU."""
+    wait_for_inputs()
     b = tl.program_id(0)
     start = tl.load(block_start_ptr + b)
     end = tl.load(block_end_ptr + b)
@@ -196,6 +198,7 @@ def _moe_rows_down_kernel(h_ptr, w2_ptr, s2_ptr, c_ptr, pair_ptr, block_expert_p
                           PAIRS: tl.constexpr, STAGES: tl.constexpr, IEEE: tl.constexpr):
     """contribution[pair, n] = h[sorted row] @ w2[expert]^T rounded to the activation dtype, row by row (one split
     of K per program; with splits, the last program of the tile sums the partials)."""
+    wait_for_inputs()
     b = tl.program_id(0)
     start = tl.load(block_start_ptr + b)
     end = tl.load(block_end_ptr + b)
@@ -253,8 +256,8 @@ def rows_moe(tokens: torch.Tensor, route: torch.Tensor, schedule: tuple, w1: tor
     w1, w3, w2 = (w.view(torch.int32) for w in (w1, w3, w2))
     s1, s3, s2 = (s.view(torch.uint8) for s in (s1, s3, s2))
     # pairs where the blocks hold several rows (a row's sums are the same either way: batch invariant)
-    launch = dict(num_warps=tile["num_warps"], IEEE=ieee, BN=tile["BN"], STAGES=tile.get("num_stages", 1),
-                  PAIRS=rows_per_expert(t, top_k, w1.shape[0]) >= PAIR_ROWS)
+    launch = dict(launch_options(), num_warps=tile["num_warps"], IEEE=ieee, BN=tile["BN"],
+                  STAGES=tile.get("num_stages", 1), PAIRS=rows_per_expert(t, top_k, w1.shape[0]) >= PAIR_ROWS)
     rounding = dict(ROUND_DTYPE=_TL_DTYPES[act_dtype])
     grid, part, count, k_chunk, splits, bk = _launch(nb, inter, d, chunks["up"], tile["BN"], tile["BK"], 2 * pairs,
                                                      tokens.device)

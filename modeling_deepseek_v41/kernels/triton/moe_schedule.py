@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from .common import prefix_sum, reduce_sum
+from .launch import launch_options, wait_for_inputs
 
 PAIR_TILE = 64  # pairs ranked per program: a [64, 64] compare of their ids
 BLOCK_TILE = 16  # blocks per program: a [16, bins] compare against the experts' block ends
@@ -84,6 +85,7 @@ def _slot_order(ids_ptr, order_ptr, tokens, t0, K: tl.constexpr, TT: tl.constexp
 def _schedule_kernel(ids_ptr, pair_ptr, expert_ptr, start_ptr, end_ptr, order_ptr, tokens, n_experts, capacity,
                      K: tl.constexpr, BLOCK_ROWS: tl.constexpr, BINS: tl.constexpr, HT: tl.constexpr,
                      PT: tl.constexpr, SUBS: tl.constexpr, BT: tl.constexpr, TT: tl.constexpr, KP: tl.constexpr):
+    wait_for_inputs()
     g = tl.program_id(0)
     pairs = tokens * K
     total, prefix = _histograms(ids_ptr, pairs, g * SUBS * PT, BINS, HT)
@@ -124,7 +126,7 @@ def expert_schedule(experts: torch.Tensor, n_experts: int, block_rows: int
         _schedule_kernel[(grid,)](experts.contiguous(), pair_of_row, block_expert, block_start, block_end, order,
                                   tokens, n_experts, capacity, K=k, BLOCK_ROWS=block_rows,
                                   BINS=triton.next_power_of_2(n_experts + 1), HT=ht, PT=pt, SUBS=subs,
-                                  BT=BLOCK_TILE, TT=tt, KP=kp)
+                                  BT=BLOCK_TILE, TT=tt, KP=kp, **launch_options())
     return pair_of_row, block_expert, block_start, block_end, order
 
 

@@ -9,6 +9,7 @@ import triton.language as tl
 
 from ..numerics import WEIGHT_BLOCK
 from .common import abs_max, cast, e2m1_value, pow2_ceil_scale, round_e4m3
+from .launch import launch_options, wait_for_inputs
 
 GROUP = WEIGHT_BLOCK  # the FP8 activation QDQ's groups along a row
 
@@ -21,6 +22,7 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, n_groups, groups_per_row, stride_xm, 
     values (exact in bf16) to q; otherwise the e4m3 values to q (in q's dtype: e4m3, or fp16, which holds them
     exactly) and fp32 scales to s. NIBBLE_MAJOR (QDQ): column c of a row stored at (c % 8) * K/8 + c // 8, the
     order in which moe_rows multiplies packed FP4 words."""
+    wait_for_inputs()
     g = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)  # rows x K passes 2^31 past 64K tokens
     valid = g < n_groups
     row = g // groups_per_row
@@ -61,7 +63,7 @@ def fp8_act_qdq(x: torch.Tensor, dtype: torch.dtype | None = None, nibble_major:
     n_groups = rows.numel() // GROUP
     grid = (triton.cdiv(n_groups, GROUPS_PER_PROGRAM),)
     _act_quant_kernel[grid](rows, out, out, n_groups, rows.shape[1] // GROUP, rows.stride(0), out.stride(0), 0,
-                            GROUPS=GROUPS_PER_PROGRAM, QDQ=True, NIBBLE_MAJOR=nibble_major)
+                            GROUPS=GROUPS_PER_PROGRAM, QDQ=True, NIBBLE_MAJOR=nibble_major, **launch_options())
     return out.view(*x.shape[:-1], x.shape[-1])
 
 
@@ -76,12 +78,13 @@ def fp8_act_quant(x: torch.Tensor, values_dtype: torch.dtype = torch.float8_e4m3
     n_groups = m * k // GROUP
     _act_quant_kernel[(triton.cdiv(n_groups, GROUPS_PER_PROGRAM),)](
         rows, q, s, n_groups, k // GROUP, rows.stride(0), q.stride(0), s.stride(0), GROUPS=GROUPS_PER_PROGRAM,
-        QDQ=False, NIBBLE_MAJOR=False)
+        QDQ=False, NIBBLE_MAJOR=False, **launch_options())
     return q, s
 
 
 @triton.jit
 def _fp4_to_fp8_kernel(p_ptr, q_ptr, n_bytes, BLOCK: tl.constexpr):
+    wait_for_inputs()
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_bytes
     byte = tl.load(p_ptr + offs, mask=mask, other=0).to(tl.int32)
@@ -97,7 +100,7 @@ def fp4_to_fp8_weight(packed: torch.Tensor) -> torch.Tensor:
     out = torch.empty(*packed.shape[:-1], packed.shape[-1] * 2, dtype=torch.float8_e4m3fn, device=packed.device)
     n = packed.numel()
     block = 1024
-    _fp4_to_fp8_kernel[(triton.cdiv(n, block),)](packed.view(torch.uint8), out, n, BLOCK=block)
+    _fp4_to_fp8_kernel[(triton.cdiv(n, block),)](packed.view(torch.uint8), out, n, BLOCK=block, **launch_options())
     return out
 
 
@@ -108,6 +111,7 @@ def _fp4_rows_kernel(x_ptr, out_ptr, scale_ptr, n_groups, BLOCK: tl.constexpr, G
     packed e2m1 bytes to out, the fp32 scales to scale_ptr) of GROUPS groups of BLOCK consecutive values. Scale:
     E4M3 of amax / 6 (division correctly rounded, as the CPU's) or the E8M0 power of two 2^ceil(log2(amax / 6));
     codes rounded to nearest even on the e2m1 grid (ties at 0.75, 1.75, 3.5 go up, the others down)."""
+    wait_for_inputs()
     g = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)  # rows x K passes 2^31 past 64K tokens
     live = g < n_groups
     lane = tl.arange(0, BLOCK)
@@ -155,5 +159,5 @@ def fp4_rows(x: torch.Tensor, block: int, scale_format: str, packed: bool):
         out, scales = torch.empty_like(flat), flat
     if n_groups:
         _fp4_rows_kernel[grid](flat, out, scales, n_groups, BLOCK=block, GROUPS=GROUPS_PER_PROGRAM,
-                               E4M3_SCALE=scale_format == "e4m3", PACKED=packed)
+                               E4M3_SCALE=scale_format == "e4m3", PACKED=packed, **launch_options())
     return (out, scales) if packed else out

@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from .common import cast, reduce_max, reduce_sum
+from .launch import launch_options, wait_for_inputs
 
 
 @triton.jit
@@ -25,6 +26,7 @@ def _route_kernel(logits_ptr, bias_ptr, vision_bias_ptr, image_ptr, weights_ptr,
                   ACC: tl.constexpr):
     """One token: scores = sqrt(softplus(logits)); the top_k of scores + bias (bias_vl on image tokens), ties to
     the lower expert id, in descending order; their unbiased scores, normalised, times route_scale."""
+    wait_for_inputs()
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK)
     ok = e < E
@@ -63,7 +65,8 @@ def route(logits: torch.Tensor, bias: torch.Tensor, vision_bias: torch.Tensor | 
         _route_kernel[(t,)](logits, bias, vision_bias if has_image else bias, image, weights, experts, e, top_k,
                             route_scale, BLOCK=max(triton.next_power_of_2(e), top_k), HAS_IMAGE=has_image,
                             NORMALIZE=normalize and top_k > 1,
-                            ACC=tl.float64 if logits.dtype == torch.float64 else tl.float32, num_warps=4)
+                            ACC=tl.float64 if logits.dtype == torch.float64 else tl.float32, num_warps=4,
+                            **launch_options())
     return weights, experts
 
 
@@ -71,6 +74,7 @@ def route(logits: torch.Tensor, bias: torch.Tensor, vision_bias: torch.Tensor | 
 def _swiglu_kernel(gate_ptr, up_ptr, w_ptr, out_ptr, N, limit, BLOCK: tl.constexpr, HAS_LIMIT: tl.constexpr,
                    HAS_WEIGHTS: tl.constexpr, ACC: tl.constexpr):
     """out = [w *] silu(min(gate, limit)) * clamp(up, -limit, limit) in ACC, rounded to out's dtype."""
+    wait_for_inputs()
     r = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = n < N
@@ -98,5 +102,5 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, weights: torch.Te
     if rows:
         _swiglu_kernel[(rows, triton.cdiv(n, block))](g, u, w, out, n, float(limit), BLOCK=block,
                                                       HAS_LIMIT=limit > 0, HAS_WEIGHTS=weights is not None,
-                                                      ACC=acc, num_warps=4)
+                                                      ACC=acc, num_warps=4, **launch_options())
     return out.view(gate.shape)

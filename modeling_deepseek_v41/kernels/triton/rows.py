@@ -9,11 +9,13 @@ import triton
 import triton.language as tl
 
 from .common import abs_max, cast, pow2_ceil_scale, reduce_sum, round_e4m3
+from .launch import launch_options, wait_for_inputs
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, eps, stride_x, stride_o, BLOCK: tl.constexpr, ACC: tl.constexpr):
     """out = w * (x * rsqrt(mean(x^2) + eps)) in ACC, rounded to out's dtype; one row per program."""
+    wait_for_inputs()
     r = tl.program_id(0).to(tl.int64)  # rows x width pass 2^31 in a long prompt
     d = tl.arange(0, BLOCK)
     ok = d < D
@@ -36,7 +38,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     if rows.shape[0]:
         _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, d, eps, rows.stride(0), out.stride(0),
-                                           BLOCK=triton.next_power_of_2(d), ACC=_acc(x.dtype), num_warps=4)
+                                           BLOCK=triton.next_power_of_2(d), ACC=_acc(x.dtype), num_warps=4,
+                                           **launch_options())
     return out.view(x.shape)
 
 
@@ -53,6 +56,7 @@ def _qdq_rows(v, BLOCK: tl.constexpr):
 def _window_kv_kernel(x_ptr, w_ptr, rot_ptr, out_ptr, eps, stride_x, D: tl.constexpr, ROPE: tl.constexpr,
                       ACC: tl.constexpr):
     """out = fp8_act_qdq(rope_tail(rms_norm(x))) for one row; every step rounds to out's dtype as the ops do."""
+    wait_for_inputs()
     r = tl.program_id(0).to(tl.int64)  # rows x width pass 2^31 in a long prompt
     HALF: tl.constexpr = D // 2
     c = tl.arange(0, HALF)
@@ -85,7 +89,7 @@ def window_kv(x: torch.Tensor, weight: torch.Tensor, eps: float, rotation: torch
     rot = torch.view_as_real(rotation.to(torch.complex64)).reshape(rows.shape[0], rope_dim).contiguous()
     if rows.shape[0]:
         _window_kv_kernel[(rows.shape[0],)](rows, weight, rot, out, eps, rows.stride(0), D=d, ROPE=rope_dim,
-                                            ACC=_acc(x.dtype), num_warps=4)
+                                            ACC=_acc(x.dtype), num_warps=4, **launch_options())
     return out.view(x.shape)
 
 
@@ -94,6 +98,7 @@ def _ring_write_kernel(v_ptr, codes_ptr, scales_ptr, ring_pos_ptr, pos_ptr, S, s
                        stride_cb, stride_sb, stride_pb, D: tl.constexpr):
     """Encode row (b, s) of already-QDQ'd values as e4m3 codes with E8M0 scales per 32 and store it in ring slot
     position % slots with its position; padding (position < 0) writes nothing."""
+    wait_for_inputs()
     r = tl.program_id(0).to(tl.int64)  # rows x width pass 2^31 in a long prompt
     b = r // S
     p = tl.load(pos_ptr + r)
@@ -118,4 +123,4 @@ def ring_write(values: torch.Tensor, positions: torch.Tensor, codes: torch.Tenso
         raise ValueError("ring rows must be contiguous within each batch row")
     _ring_write_kernel[(batch * seq,)](values.contiguous(), codes, scales, ring_positions,
                                        positions.reshape(-1).contiguous(), seq, codes.shape[1], codes.stride(0),
-                                       scales.stride(0), ring_positions.stride(0), D=d, num_warps=4)
+                                       scales.stride(0), ring_positions.stride(0), D=d, num_warps=4, **launch_options())

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from .common import prefix_sum, reduce_max, reduce_sum
+from .launch import launch_options, wait_for_inputs
 
 _NEG_INF_KEY = tl.constexpr(0x007FFFFF)  # _ordered_key(-inf)
 _NAN_KEY = tl.constexpr(0xFFFFFFFF)
@@ -45,6 +46,7 @@ def _topk_ascending_kernel(s_ptr, out_ptr, N, K, stride_s, stride_o, BLOCK: tl.c
     """out[row, :K] = the positions of row's K largest scores (ties to the earlier position), ascending; DROP:
     positions scoring -inf (or NaN) are left out and the row is padded with -1. KEY_BYTES: the keys' bytes
     that tell the scores apart (2 for bf16, whose keys carry them in their top 16 bits; 3 for fp16)."""
+    wait_for_inputs()
     row = tl.program_id(0).to(tl.int64)
     s_ptr += row * stride_s
     out_ptr += row * stride_o
@@ -98,5 +100,5 @@ def topk_ascending(scores: torch.Tensor, k: int, drop_unreachable: bool) -> torc
         block = min(max(triton.next_power_of_2(width), 256), _MAX_BLOCK)
         _topk_ascending_kernel[(rows.shape[0],)](rows, out, width, k, rows.stride(0), out.stride(0), BLOCK=block,
                                                  DROP=drop_unreachable, KEY_BYTES=_KEY_BYTES.get(scores.dtype, 4),
-                                                 num_warps=8 if block >= 2048 else 4)
+                                                 num_warps=8 if block >= 2048 else 4, **launch_options())
     return out.view(*scores.shape[:-1], k)
