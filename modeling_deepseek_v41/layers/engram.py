@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..kernels.numerics import WEIGHT_BLOCK, compute_dtype, fp8_dequantize_rows, weight_dtype
+from ..kernels.engram_gate import engram_gate
+from ..kernels.numerics import WEIGHT_BLOCK, fp8_dequantize_rows, weight_dtype
 from .linear import DeepseekV41Linear
 
 
@@ -159,13 +160,4 @@ class DeepseekV41Engram(nn.Module):
         """streams [B,S,hc,D]; row_ids [B,S,columns]; live [B,S] bool (False: image span or padding)."""
         rows = self.embed(row_ids).to(streams.dtype).flatten(-2)
         key, value = self.wkv(rows).split([self.hc_mult * self.hidden_size, self.hidden_size], dim=-1)
-        acc = compute_dtype(streams)
-        key = key.to(acc).unflatten(-1, (self.hc_mult, self.hidden_size))
-        weight = self.q_weight.to(acc) * self.k_weight.to(acc)
-        h = streams.to(acc)
-        rstd = torch.rsqrt(h.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)
-        dot = (h * weight * key).sum(-1) * rstd * self.hidden_size**-0.5
-        gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
-        if live is not None:
-            gate = gate.masked_fill(~live.unsqueeze(-1), 0)
-        return (h + gate.unsqueeze(-1) * value.to(acc).unsqueeze(-2)).to(streams.dtype)
+        return engram_gate(streams, key, value, self.q_weight, self.k_weight, self.eps, live)
