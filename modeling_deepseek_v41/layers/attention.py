@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ..config.layer_plan import LayerSpec
-from ..kernels.fp4_rows import fp4_quantize_rows
+from ..kernels.fp4_rows import rotated_fp4_rows
 from ..kernels.numerics import POOL_KV_BLOCK, weight_dtype
 from ..kernels.sparse_attention import attend_stored, sparse_attention, window_kv
 from .compressor import DeepseekV41Compressor
@@ -97,8 +97,8 @@ class DeepseekV41Attention(nn.Module):
         out = self.compressor(x, positions, carry, fixed_shapes=fixed_shapes)
         rotation = rope_angles(out.rows.clamp_min(0) * self.spec.ratio, inv_freq)
         keys, key_codes = self.indexer.keys(out.latents, rotation)
-        rotated = apply_rope_tail(out.latents, rotation, self.rope_dim)
-        return PoolChunk(out, rotated, fp4_quantize_rows(rotated, POOL_KV_BLOCK, "e4m3"), keys, key_codes)
+        rotated, codes = rotated_fp4_rows(out.latents, rotation, self.rope_dim, POOL_KV_BLOCK, "e4m3")
+        return PoolChunk(out, rotated, codes, keys, key_codes)
 
     def _output(self, o: torch.Tensor) -> torch.Tensor:
         batch, seq = o.shape[:2]

@@ -5,13 +5,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..kernels.fp4_rows import fp4_qdq, fp4_quantize_rows
+from ..kernels.fp4_rows import rotated_fp4_qdq, rotated_fp4_rows
 from ..kernels.index_scores import candidate_scores, index_scores, key_rows
 from ..kernels.numerics import INDEX_BLOCK
 from ..kernels.sparse_attention import candidate_mask, select_candidate_blocks, topk_ascending
 from .kv_store import PoolView
 from .linear import DeepseekV41Linear, DeepseekV41RMSNorm
-from .rotary import apply_rope_tail
 
 QUERY_CHUNK = 1024  # queries scored per step of a long prefill
 GATHER_MAX_QUERIES = 64  # up to this many queries, Reindex layers score only their candidate blocks
@@ -45,8 +44,7 @@ class DeepseekV41Indexer(nn.Module):
         """Index keys of new pool rows from their pre-RoPE latents (rotation at each row's first token): the keys
         before FP4 and their FP4 (codes, scales). The store decides what to keep: the packed codes (a cache) or
         their values (a cache-less forward)."""
-        k = apply_rope_tail(self.k_norm(self.wk(latents)), rotation, self.rope_dim)
-        return k, fp4_quantize_rows(k, INDEX_BLOCK, "e8m0")
+        return rotated_fp4_rows(self.k_norm(self.wk(latents)), rotation, self.rope_dim, INDEX_BLOCK, "e8m0")
 
     def forward(self, x: torch.Tensor, qr: torch.Tensor, rotation: torch.Tensor, pool: PoolView,
                 visible: torch.Tensor, share) -> torch.Tensor:
@@ -55,7 +53,7 @@ class DeepseekV41Indexer(nn.Module):
         ascending, -1 where nothing visible is left to select."""
         keys = pool.keys()  # values, or a cache's packed keys (the scoring ops decode what they read)
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
-        q = fp4_qdq(apply_rope_tail(q, rotation, self.rope_dim), INDEX_BLOCK, "e8m0")
+        q = rotated_fp4_qdq(q, rotation, self.rope_dim, INDEX_BLOCK, "e8m0")
         weights = self.weights_proj(x) * (self.head_dim**-0.5 * self.n_heads**-0.5)
         k = min(self.topk, key_rows(keys))
         # decode-sized steps gather their candidate blocks' keys (cost independent of the pool length); prefills

@@ -105,17 +105,44 @@ def fp4_to_fp8_weight(packed: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _fp4_rows_kernel(x_ptr, out_ptr, scale_ptr, n_groups, BLOCK: tl.constexpr, GROUPS: tl.constexpr,
-                     E4M3_SCALE: tl.constexpr, PACKED: tl.constexpr):
+def _rotated(x, g, live, rot_ptr, groups_per_row, rows_per_rotation, BLOCK: tl.constexpr, ROPE: tl.constexpr,
+             DTYPE: tl.constexpr):
+    """Groups x [GROUPS, BLOCK] (in the rotation's precision) with those in their row's last ROPE columns rotated as
+    kernels.rope rotates them (interleaved pairs times the row's cos + i sin), rounded to DTYPE."""
+    GROUPS: tl.constexpr = x.shape[0]
+    tail = g % groups_per_row - (groups_per_row - ROPE // BLOCK)
+    in_rope = (tail >= 0) & live
+    rot = rot_ptr + ((g // groups_per_row) // rows_per_rotation)[:, None] * ROPE
+    pair = tl.where(in_rope, tail, 0)[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :]
+    cos = tl.load(rot + 2 * pair, mask=in_rope[:, None], other=1.0).to(x.dtype)
+    sin = tl.load(rot + 2 * pair + 1, mask=in_rope[:, None], other=0.0).to(x.dtype)
+    even, odd = tl.split(tl.reshape(x, [GROUPS, BLOCK // 2, 2]))
+    turned_even = tl.where(in_rope[:, None], even * cos - odd * sin, even)
+    turned_odd = tl.where(in_rope[:, None], even * sin + odd * cos, odd)
+    return tl.reshape(tl.join(cast(turned_even, DTYPE), cast(turned_odd, DTYPE)), [GROUPS, BLOCK])
+
+
+@triton.jit
+def _fp4_rows_kernel(x_ptr, out_ptr, scale_ptr, rot_ptr, rotated_ptr, n_groups, groups_per_row, rows_per_rotation,
+                     BLOCK: tl.constexpr, GROUPS: tl.constexpr, E4M3_SCALE: tl.constexpr, PACKED: tl.constexpr,
+                     ROPE: tl.constexpr, ROT: tl.constexpr):
     """numerics.fp4_qdq (PACKED False: the dequantized values to out) or numerics.fp4_quantize_rows (PACKED: the
     packed e2m1 bytes to out, the fp32 scales to scale_ptr) of GROUPS groups of BLOCK consecutive values. Scale:
     E4M3 of amax / 6 (division correctly rounded, as the CPU's) or the E8M0 power of two 2^ceil(log2(amax / 6));
-    codes rounded to nearest even on the e2m1 grid (ties at 0.75, 1.75, 3.5 go up, the others down)."""
+    codes rounded to nearest even on the e2m1 grid (ties at 0.75, 1.75, 3.5 go up, the others down).
+    ROPE > 0: each row's last ROPE values are first rotated (`_rotated`, in ROT's precision) and, PACKED, the
+    rotated values stored to rotated_ptr."""
     wait_for_inputs()
     g = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)  # rows x K passes 2^31 past 64K tokens
     live = g < n_groups
     lane = tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + g[:, None] * BLOCK + lane[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + g[:, None] * BLOCK + lane[None, :], mask=live[:, None], other=0.0)
+    if ROPE > 0:
+        x = _rotated(x.to(ROT), g, live, rot_ptr, groups_per_row, rows_per_rotation, BLOCK, ROPE,
+                     x_ptr.dtype.element_ty)
+        if PACKED:
+            tl.store(rotated_ptr + g[:, None] * BLOCK + lane[None, :], x, mask=live[:, None])
+    x = x.to(tl.float32)
     amax = abs_max(x, 1)
     if E4M3_SCALE:
         scale = round_e4m3(tl.minimum(tl.math.div_rn(tl.maximum(amax, 0.01171875), 6.0), 448.0))
@@ -142,13 +169,18 @@ def _fp4_rows_kernel(x_ptr, out_ptr, scale_ptr, n_groups, BLOCK: tl.constexpr, G
                  mask=live[:, None])
 
 
-def fp4_rows(x: torch.Tensor, block: int, scale_format: str, packed: bool):
+def fp4_rows(x: torch.Tensor, block: int, scale_format: str, packed: bool, rotation: torch.Tensor | None = None,
+             rope_dim: int = 0):
     """numerics.fp4_qdq(x, block, scale_format) (packed False: x's shape and dtype) or numerics.fp4_quantize_rows
-    (packed: uint8 bytes [..., K/2] and fp32 scales [..., K/block]) in one launch, bit for bit."""
+    (packed: uint8 bytes [..., K/2] and fp32 scales [..., K/block]) in one launch, bit for bit. With `rotation`
+    ([...lead, rope_dim/2] complex, shared by the rows of trailing dims it lacks, e.g. heads) the last rope_dim
+    values of each row are first rotated as kernels.rope.apply_rope_tail does; packed then returns (rotated
+    values, bytes, scales)."""
     if scale_format not in ("e4m3", "e8m0"):
         raise ValueError(f"unknown FP4 scale format {scale_format!r}; expected 'e4m3' or 'e8m0'")
-    if x.shape[-1] % block:
-        raise ValueError(f"FP4 rows need the last dim ({x.shape[-1]}) divisible by the block ({block})")
+    if x.shape[-1] % block or rope_dim % block or rope_dim > x.shape[-1]:
+        raise ValueError(f"FP4 rows need the last dim ({x.shape[-1]}) and the rotated tail ({rope_dim}) divisible "
+                         f"by the block ({block})")
     flat = x.contiguous()
     n_groups = flat.numel() // block
     grid = (triton.cdiv(n_groups, GROUPS_PER_PROGRAM),)
@@ -157,7 +189,18 @@ def fp4_rows(x: torch.Tensor, block: int, scale_format: str, packed: bool):
         scales = torch.empty(*x.shape[:-1], x.shape[-1] // block, dtype=torch.float32, device=x.device)
     else:
         out, scales = torch.empty_like(flat), flat
+    rotated, rot, rows_per_rotation = flat, flat, 1
+    if rotation is not None:
+        wide = x.dtype == torch.float64  # kernels.rope's product: complex128 for float64, complex64 otherwise
+        rot = torch.view_as_real(rotation.to(torch.complex128 if wide else torch.complex64)).reshape(-1, rope_dim)
+        rows_per_rotation = max(1, (flat.numel() // x.shape[-1]) // max(1, rot.shape[0]))
+        rot = rot.contiguous()
+        rotated = torch.empty_like(flat) if packed else flat
     if n_groups:
-        _fp4_rows_kernel[grid](flat, out, scales, n_groups, BLOCK=block, GROUPS=GROUPS_PER_PROGRAM,
-                               E4M3_SCALE=scale_format == "e4m3", PACKED=packed, **launch_options())
+        _fp4_rows_kernel[grid](flat, out, scales, rot, rotated, n_groups, x.shape[-1] // block, rows_per_rotation,
+                               BLOCK=block, GROUPS=GROUPS_PER_PROGRAM, E4M3_SCALE=scale_format == "e4m3",
+                               PACKED=packed, ROPE=rope_dim if rotation is not None else 0,
+                               ROT=tl.float64 if rot.dtype == torch.float64 else tl.float32, **launch_options())
+    if rotation is not None and packed:
+        return rotated, out, scales
     return (out, scales) if packed else out
