@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.dispatch import kernel_path
+from ..kernels.gpu_linear import triton_kernels
 from ..kernels.index_scores import StoredKeys
 from ..kernels.sparse_attention import StoredPool
 from ..layers.kv_store import PoolChunk
@@ -65,7 +67,17 @@ class Pool:
     def _write_without_reads(self, rows: torch.Tensor, kv, keys, carry, token_kv, token_score,
                              positions: torch.Tensor) -> None:
         """write with fixed shapes and nothing read back (a step, or any chunk of a fixed pool): one scatter per
-        possible row [B,G] and per token [B,S], each writing at most one entry per batch row."""
+        possible row [B,G] and per token [B,S], each writing at most one entry per batch row (on CUDA one launch)."""
+        if kernel_path(kv[0]) and self._one_launch():
+            ratio = self.ratio > 1
+            triton_kernels().pool_step_write(
+                rows, kv, keys, (self.kv.codes, self.kv.scales), (self.keys.codes, self.keys.scales),
+                (token_kv, token_score) if ratio else None, positions,
+                (self.recent_kv, self.recent_score) if ratio else None, carry if ratio and self.fixed else None,
+                self.carry if ratio and self.fixed else None)
+            if ratio and not self.fixed:
+                self.carry = carry
+            return
         done = rows >= 0
         for g in range(rows.shape[1]):
             self.kv.write_codes_one_per_row(rows[:, g], kv[0][:, g], kv[1][:, g], done[:, g])
@@ -82,6 +94,15 @@ class Pool:
                 for store, values in ((self.recent_kv, token_kv), (self.recent_score, token_score)):
                     new = values[:, s:s + 1].to(store.dtype)
                     store.scatter_(1, index, torch.where(live, new, store.gather(1, index)))
+
+    def _one_launch(self) -> bool:
+        """Whether the step's writes fit the one-launch kernel: power-of-two row widths, the carry's buffers (a
+        fixed pool) contiguous."""
+        widths = (self.kv.codes.shape[-1], self.kv.scales.shape[-1], self.keys.codes.shape[-1],
+                  self.keys.scales.shape[-1], self.ratio * self.kv.codes.shape[-1] * 2)
+        if any(w & (w - 1) for w in widths):
+            return False
+        return self.ratio == 1 or not self.fixed or all(t.is_contiguous() for t in self.carry)
 
     def carry_at(self, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The carry after `lengths` tokens: slots of the open group's tokens, from the raw recent tokens."""
