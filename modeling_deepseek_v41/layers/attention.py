@@ -33,6 +33,15 @@ class ForwardShare:
     store: ForwardStore | None = None  # where the layers read and write KV: the cache's or the cache-less store
     pool_ready: set[int] = field(default_factory=set)  # pool owners whose rows this forward already wrote
     window_floor: torch.Tensor | None = None  # [B] lowest position a window may list (bounded replay)
+    visible: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # ratio -> (positions, rows)
+
+    def visible_rows(self, positions: torch.Tensor, ratio: int) -> torch.Tensor:
+        """[B,S] pool rows each query may see in a ratio's pool: computed once per forward and ratio."""
+        held = self.visible.get(ratio)
+        if held is None or held[0] is not positions:
+            rows = torch.div(positions + 1, ratio, rounding_mode="floor").clamp_min(0)
+            held = self.visible[ratio] = (positions, rows)
+        return held[1]
 
 
 class DeepseekV41Attention(nn.Module):
@@ -134,7 +143,7 @@ class DeepseekV41Attention(nn.Module):
                 self.compress(x, positions, inv_freq, share)
             pool = share.pools[spec.pool_source]
             if spec.is_full or spec.is_reindex:
-                visible = torch.div(positions + 1, spec.ratio, rounding_mode="floor").clamp_min(0)
+                visible = share.visible_rows(positions, spec.ratio)
                 share.topk[spec.layer_id] = self.indexer(x, qr, rotation, pool, visible, share)
             selected = share.topk[spec.topk_source]  # its own top-k (Full, Reindex), the latest one's (Reuse)
         window = share.store.window(spec.layer_id, kv, positions, self.window, share.window_floor)

@@ -16,6 +16,11 @@ QUERY_CHUNK = 1024  # queries scored per step of a long prefill
 GATHER_MAX_QUERIES = 64  # up to this many queries, Reindex layers score only their candidate blocks
 
 
+def _joined(chunks: list[torch.Tensor]) -> torch.Tensor:
+    """The query chunks' results along the sequence (a decode step's one chunk as it is: no copy)."""
+    return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1)
+
+
 class DeepseekV41Indexer(nn.Module):
     """score[s, t] = sum_h relu(q[s,h] . k[t]) * w[s,h], in bf16 like the reference (so ties are exact).
 
@@ -78,12 +83,12 @@ class DeepseekV41Indexer(nn.Module):
             picked = topk_ascending(scores, k)
             selections.append(torch.where(picked < visible[:, queries].unsqueeze(-1), picked, -1))
         if self.spec.is_candidate_source:
-            share.candidates = torch.cat(candidates, dim=1)
+            share.candidates = _joined(candidates)
         if share.record_selection and recorded:
-            share.index_scores[self.spec.layer_id] = torch.cat(recorded, dim=1)
+            share.index_scores[self.spec.layer_id] = _joined(recorded)
             if self.spec.is_candidate_source:
                 share.candidate_history[self.spec.layer_id] = share.candidates
-        return torch.cat(selections, dim=1)
+        return _joined(selections)
 
     def _candidates_cover_topk(self) -> bool:
         """Whether every query always has at least top-k reachable candidates once it has top-k visible rows, so
