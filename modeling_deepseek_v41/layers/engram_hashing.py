@@ -17,7 +17,8 @@ import numpy as np
 import torch
 from torch import nn
 
-DEAD = -1  # compressed id of a position that takes no part in any n-gram
+from ..kernels.engram_hash import DEAD, engram_rows
+
 _NORMALIZED_SPACE = "\ue000"  # keeps a token that is exactly one space from collapsing to ""
 
 
@@ -113,34 +114,6 @@ class EngramHashLayout:
         return self._on_device[device]
 
 
-def ngram_window(compressed: torch.Tensor, pad_id: int | torch.Tensor, max_ngram: int, width: int) -> torch.Tensor:
-    """Tokens at shifts 0..max_ngram-1 for the last `width` positions of a compressed-id history [B, T].
-
-    A shift is blocked (takes `pad_id`) before the history start or at/after the first dead token going back.
-    """
-    total = compressed.shape[1]
-    positions = torch.arange(total - width, total, device=compressed.device)
-    blocked = torch.zeros(compressed.shape[0], width, dtype=torch.bool, device=compressed.device)
-    shifted = []
-    for shift in range(max_ngram):
-        source = compressed[:, (positions - shift).clamp_min(0)]
-        blocked = blocked | (positions < shift) | (source == DEAD)
-        shifted.append(torch.where(blocked, pad_id, source))  # pad_id may be a 0-dim tensor: no host read
-    return torch.stack(shifted, dim=-1)
-
-
-def engram_hash_ids(tokens: torch.Tensor, primes: torch.Tensor, offsets: torch.Tensor,
-                    multipliers: torch.Tensor) -> torch.Tensor:
-    """[B, S, max_ngram] shifted tokens -> [B, S, n_layers, (max_ngram-1)*heads] global table rows."""
-    products = tokens.unsqueeze(2) * multipliers  # [B, S, L, max_ngram]; bounded so it cannot overflow
-    rolling = products[..., 0]
-    columns = []
-    for n in range(1, products.shape[-1]):
-        rolling = torch.bitwise_xor(rolling, products[..., n])
-        columns.append(rolling.unsqueeze(-1) % primes[:, n - 1])
-    return torch.cat(columns, dim=-1) + offsets
-
-
 def default_token_map(vocab_size: int, compressed_vocab_size: int, start: int = 0) -> torch.Tensor:
     """The Engram token map of a model without a tokenizer (built from a config, to train from scratch), and the
     entries of ids added by resizing: token id modulo the compressed vocabulary, for ids start .. vocab_size - 1."""
@@ -206,9 +179,8 @@ class DeepseekV41EngramHasher:
         n-grams of the first positions reach back into."""
         history = store.append_history(self.compress(token_map, input_ids, dead), replayed)
         pad = token_map[self.pad_token_id]  # a 0-dim tensor: no host read
-        shifted = ngram_window(history, pad, self.max_ngram_size, input_ids.shape[1])
         primes, offsets, multipliers = self.layout.tensors_on(input_ids.device)
-        return engram_hash_ids(shifted, primes, offsets, multipliers)
+        return engram_rows(history, pad, self.max_ngram_size, input_ids.shape[1], primes, offsets, multipliers)
 
     def prefetch(self, layers: nn.ModuleList, rows: torch.Tensor) -> None:
         """Start the gather (and host-to-device copy) of every externally stored Engram table's `rows` for this
