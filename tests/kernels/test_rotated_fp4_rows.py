@@ -2,8 +2,8 @@
 compressed KV rows), against the exact rotation then the exact quantization.
 
 The rotation's products may round otherwise than torch's complex product (fused multiply-adds), so a rotated value
-may differ from the exact one by its dtype's last bit and its FP4 code then fall on the other side of a boundary:
-rare. In float64 the rotated values equal the exact ones to 1e-10 relative."""
+may differ from the exact one by its dtype's last bit (in fp32 often: 3% of values on the H200) and its FP4 code
+then fall on the other side of a boundary: rare. In float64 the rotated values equal the exact ones to 1e-10 relative."""
 
 from __future__ import annotations
 
@@ -54,6 +54,8 @@ def test_rotated_fp4_rows_equal_the_exact_rotation_then_quantization(dtype, lead
     tail_rel = ((got_rotated.double() - rotated.double()).norm() / rotated.double().norm()).item()
     if dtype == torch.float64:
         assert tail_rel <= 1e-10
+    elif dtype == torch.float32:  # fp32 rounding of fused or separate products: last bits (3% of values, H200)
+        assert tail_rel <= 2.0**-21
     else:
         assert (got_rotated != rotated).double().mean() <= 0.02
     assert (got_qdq != qdq).double().mean() <= 0.02

@@ -17,8 +17,8 @@ def _engram_rows_kernel(hist_ptr, pad_ptr, primes_ptr, offsets_ptr, mult_ptr, ou
                         N: tl.constexpr, HEADS: tl.constexpr, LP: tl.constexpr, CP: tl.constexpr):
     """Rows [L, C] of position s (of the last S) of batch row b."""
     wait_for_inputs()
-    b = tl.program_id(0).to(tl.int64)
-    s = tl.program_id(1)
+    s = tl.program_id(0)  # positions on the grid's first axis: a long prompt's passes the others' 65,535
+    b = tl.program_id(1).to(tl.int64)
     position = T - S + s
     layer = tl.arange(0, LP)[:, None]
     column = tl.arange(0, CP)[None, :]
@@ -49,7 +49,7 @@ def engram_rows(history: torch.Tensor, pad_id: torch.Tensor, max_ngram: int, wid
     heads = primes.shape[-1]
     out = torch.empty(batch, width, layers, columns, dtype=torch.int64, device=history.device)
     if batch and width and layers:
-        _engram_rows_kernel[(batch, width)](
+        _engram_rows_kernel[(width, batch)](
             history.contiguous(), pad_id.to(torch.int64).reshape(1), primes.contiguous(), offsets.contiguous(),
             multipliers.contiguous(), out, total, width, layers, columns, N=max_ngram, HEADS=heads,
             LP=triton.next_power_of_2(layers), CP=triton.next_power_of_2(columns), num_warps=1, **launch_options())
