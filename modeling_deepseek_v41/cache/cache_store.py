@@ -69,7 +69,7 @@ class CacheStore:
         positions = torch.where(positions >= self.cache.lengths.unsqueeze(1), positions, -1)  # a replay's: pooled
         # a row per group the chunk could span: the pool drops the unused ones without a device read
         chunk = compress(positions, pool.carry, True)
-        return pool.write(chunk, positions, pool.rows_after(self.chunk_max_length), dtype)
+        return pool.write(chunk, positions, pool.rows_after(self.chunk_max_length))
 
     def window(self, layer_id: int, kv: torch.Tensor, positions: torch.Tensor, size: int,
                floor: torch.Tensor | None = None) -> RingWindow:

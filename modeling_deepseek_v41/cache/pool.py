@@ -45,15 +45,15 @@ class Pool:
     def unfix(self) -> None:
         self.fixed = False
 
-    def write(self, chunk: PoolChunk, positions: torch.Tensor, total: int, dtype: torch.dtype) -> StoredPoolView:
+    def write(self, chunk: PoolChunk, positions: torch.Tensor, total: int) -> StoredPoolView:
         """Store the chunk's completed rows (codes and scales of their QDQ), the new carry and the raw tokens at
-        `positions` [B,S]; returns the view of the pool's first `total` rows, keys read in `dtype`."""
+        `positions` [B,S]; returns the view of the pool's first `total` rows."""
         out, kv, keys = chunk.compressed, chunk.kv_codes, chunk.key_codes
         self.kv.ensure_capacity(max(total, 1))  # a step's skipped writes land on row 0
         self.keys.ensure_capacity(max(total, 1))
         if self.fixed or (out.rows.shape[1] == 1 and positions.shape[1] == 1):
             self._write_without_reads(out.rows, kv, keys, out.carry, out.token_kv, out.token_score, positions)
-            return StoredPoolView(self, total, dtype)
+            return StoredPoolView(self, total)
         done = out.rows >= 0  # the chunk's completed rows, written with nothing read back to the host
         self.kv.write_codes_where(out.rows, kv[0], kv[1], done)
         self.keys.write_codes_where(out.rows, keys[0], keys[1], done)
@@ -62,7 +62,7 @@ class Pool:
             kept, slot = latest_positions(positions, self.recent_size), positions % self.recent_size
             scatter_rows_where(self.recent_kv, slot, out.token_kv.to(self.recent_kv.dtype), kept)
             scatter_rows_where(self.recent_score, slot, out.token_score.to(self.recent_score.dtype), kept)
-        return StoredPoolView(self, total, dtype)
+        return StoredPoolView(self, total)
 
     def _write_without_reads(self, rows: torch.Tensor, kv, keys, carry, token_kv, token_score,
                              positions: torch.Tensor) -> None:
@@ -175,8 +175,8 @@ class StoredPoolView:
 
     decodes_incrementally = True  # steps of a few tokens over stored rows: the indexers may gather candidates
 
-    def __init__(self, pool: Pool, rows: int, dtype: torch.dtype) -> None:
-        self.pool, self.rows, self.dtype = pool, rows, dtype
+    def __init__(self, pool: Pool, rows: int) -> None:
+        self.pool, self.rows = pool, rows
         self.stored = StoredPool(pool.kv.codes, pool.kv.scales)
 
     def keys(self) -> StoredKeys:

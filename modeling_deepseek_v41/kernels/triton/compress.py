@@ -9,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..compress import fixed_group_count
 from .common import cast, reduce_max, reduce_sum
 from .launch import launch_options, wait_for_inputs
 
@@ -91,7 +92,7 @@ def pool_groups(kv: torch.Tensor, score: torch.Tensor, positions: torch.Tensor,
     """kernels.compress.pool_groups with fixed shapes: kv, score [B,S,hd] (hd a power of two), positions [B,S],
     carry [B,r,hd] or None -> (latents [B,G,hd] in dtype, pool rows [B,G], the new carry)."""
     batch, seq, hd = kv.shape
-    groups = (seq + ratio - 2) // ratio + 1
+    groups = fixed_group_count(seq, ratio)
     kv, score, positions = kv.contiguous(), score.contiguous(), positions.contiguous()
     carry_kv, carry_score = (t.contiguous() for t in carry) if carry is not None else (kv, score)
     latents = torch.empty(batch, groups, hd, dtype=dtype, device=kv.device)
