@@ -90,6 +90,21 @@ def test_a_rows_sum_does_not_depend_on_the_calls_rows(split_target):
         assert _rel(full, ref) < 2e-6
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rows_as_they_are_are_quantized_once_with_the_same_bits_at_any_row_count(dtype):
+    """quantize=True takes the activations as they are: one row is FP8-QDQ'd inside the kernel, more rows by a QDQ
+    launch first. With the default tiles (past one row, half as many weight rows per program and the same split of
+    K) row i's result is the same bits at every row count, and those of the call on the exactly QDQ'd rows."""
+    n, k = 96, 1280
+    w, s, _ = _fp8(n, k, seed=14)
+    x = _randn(ROWS_MAX_ROWS, k, seed=15, dtype=dtype)
+    full = rows_linear(x, w, s, FMT_FP8_TILE, n, k, torch.float32, quantize=True)
+    qdq = numerics.fp8_act_qdq(x.cpu().float()).to(torch.bfloat16).to(DEVICE)
+    assert torch.equal(full, rows_linear(qdq, w, s, FMT_FP8_TILE, n, k, torch.float32))
+    for m in (1, 2, 6):
+        assert torch.equal(rows_linear(x[:m], w, s, FMT_FP8_TILE, n, k, torch.float32, quantize=True), full[:m])
+
+
 def test_a_wider_dense_weight_is_rounded_to_the_activations_dtype_in_registers():
     """The grouped wo_a with an fp32 weight and bf16 activations multiplies the weight rounded to bf16 (the
     reference's `weight.to(x.dtype)`), without a rounded copy: the bits of the call on the rounded copy."""

@@ -110,6 +110,15 @@ def pow2_ceil_scale(amax, INV_MAX: tl.constexpr = 0.002232142857142857):
 
 
 @triton.jit
+def qdq_groups(v, BLOCK: tl.constexpr):
+    """The FP8 activation QDQ (numerics.fp8_act_qdq) of a [BLOCK] row in fp32: per 32 values, a power-of-two
+    scale, values rounded to e4m3. Returns (codes as fp32 e4m3 values [BLOCK/32, 32], scales [BLOCK/32])."""
+    groups = tl.reshape(v.to(tl.float32), [BLOCK // 32, 32])
+    scale = pow2_ceil_scale(tl.maximum(abs_max(groups, 1), 1e-4))
+    return round_e4m3(tl.minimum(tl.maximum(groups / scale[:, None], -448.0), 448.0)), scale
+
+
+@triton.jit
 def e2m1_value(code):
     """fp32 value of 4-bit e2m1 codes (int32, bit 3 = sign): 0, .5, 1, 1.5, 2, 3, 4, 6 (all exact in e4m3).
 

@@ -200,7 +200,7 @@ def _quantized(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt: 
             out = torch.nn.functional.linear(qdq.float(), dense.float()).to(x.dtype)
         return out.view(*x.shape[:-1], n)
     if fp8_dot is None and rows.shape[0] <= ROWS_MAX_ROWS and fmt == FMT_FP8_TILE:
-        out = rows_linear(fp8_act_qdq(rows, torch.bfloat16), weight, scale, fmt, n, k, x.dtype)
+        out = rows_linear(rows, weight, scale, fmt, n, k, x.dtype, quantize=True)
     elif fp8_dot:
         q, xs = fp8_act_quant(rows)
         out = run_linear(q, xs, weight, scale, fmt, n, k, x.dtype, torch.float8_e4m3fn)
@@ -254,9 +254,9 @@ def linear_pair(x: torch.Tensor, first: tuple[torch.Tensor, torch.Tensor | None]
         return one(w1, s1), one(w2, s2)
     n1, n2 = w1.shape[0], w2.shape[0]
     if rows.shape[0] <= ROWS_MAX_ROWS:
-        fmt, operand, out_dtype = (FMT_FP8_TILE, fp8_act_qdq(rows, torch.bfloat16), x.dtype) if quantized else \
+        fmt, operand, out_dtype = (FMT_FP8_TILE, rows, x.dtype) if quantized else \
             (FMT_DENSE, rows.to(w1.dtype), w1.dtype)
-        out1, out2 = rows_linear(operand, w1, s1, fmt, n1, k, out_dtype, second=(w2, s2, n2))
+        out1, out2 = rows_linear(operand, w1, s1, fmt, n1, k, out_dtype, second=(w2, s2, n2), quantize=quantized)
     elif quantized:
         out1, out2 = run_linear(fp8_act_qdq(rows, torch.bfloat16), None, w1, s1, FMT_FP8_TILE, n1, k, x.dtype,
                                 torch.bfloat16, second=(w2, s2, n2))

@@ -17,21 +17,32 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import FP8_TILE, cast, e8m0_value, reduce_sum
+from .common import FP8_TILE, cast, e8m0_value, qdq_groups, reduce_sum
 from .splits import arrive_last, pair_operands, sum_partials
 from .workspace import split_buffers
 from .launch import launch_options, wait_for_inputs
+from .quant import fp8_act_qdq
 
 ROWS_MAX_ROWS = 8
 ROWS_TILE = {"BN": 64, "BK": 256, "num_warps": 4, "num_stages": 1}  # kernel_tuning.py --only rows, H200
+# two rows or more: half as many weight rows per program, the same BK and split (so the same sums). Offline sm_90
+# at six rows: 152 instead of 249 registers, three programs per SM instead of one (a DSpark verify's linears ran
+# 3.2x their one-row time on the H200 with one)
+MULTI_ROW_TILE = dict(ROWS_TILE, BN=32)
 SPLIT_TARGET_PROGRAMS = 528  # about four programs per SM; a constant, so the split depends on (N, K) only
 _ROUNDED = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 @triton.jit
-def _row_part(w, scale, x_ptr, r, cols, k_ok, stride_xm, BN: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr):
-    """[BN, BK/32] sums of one row's products with the tile, per 32-column group, times the groups' scales."""
+def _row_part(w, scale, x_ptr, r, cols, k_ok, stride_xm, BN: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr,
+              QDQ_X: tl.constexpr):
+    """[BN, BK/32] sums of one row's products with the tile, per 32-column group, times the groups' scales. QDQ_X:
+    the row arrives as it is and is QDQ'd here (the same values as quant.fp8_act_qdq's: slices start at multiples
+    of 32 columns, so each group is whole)."""
     x = tl.load(x_ptr + r * stride_xm + cols, mask=k_ok, other=0.0).to(ACC)
+    if QDQ_X:
+        codes, x_scale = qdq_groups(x, BK)
+        x = tl.reshape(codes * x_scale[:, None], [BK]).to(ACC)
     return reduce_sum(tl.reshape(w * x[None, :], [BN, BK // 32, 32]), 2) * scale
 
 
@@ -57,7 +68,8 @@ def _linear_rows_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N,
                         stride_xm, stride_wn, stride_sn, stride_om, stride_pm,
                         w2_ptr, s2_ptr, out2_ptr, N2, tiles1, stride_o2m,
                         BN: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, WFMT: tl.constexpr,
-                        PAIR: tl.constexpr, ACC: tl.constexpr, W_ROUND: tl.constexpr):
+                        PAIR: tl.constexpr, ACC: tl.constexpr, W_ROUND: tl.constexpr,
+                        QDQ_X: tl.constexpr):
     """out[m, g*N + n] = sum over k of x[m, g*K + k] w[g*N + n, k] for the M = BM rows, this program's BN weight
     rows and split of K; the group g (block-diagonal weights) and split come from the grid's second axis.
     PAIR: a second weight w2 [N2, K] of the same storage on the same input, its tiles after the first's `tiles1`;
@@ -101,21 +113,21 @@ def _linear_rows_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N,
                                (groups * 32 < k_stop)[None, :] & (rows_n >= 0)[:, None]).to(ACC)
         else:
             scale = tl.full([BN, G], 1.0, ACC)
-        acc0 += _row_part(w, scale, x_ptr, 0, cols, k_ok, stride_xm, BN, BK, ACC)
+        acc0 += _row_part(w, scale, x_ptr, 0, cols, k_ok, stride_xm, BN, BK, ACC, QDQ_X)
         if BM > 1:
-            acc1 += _row_part(w, scale, x_ptr, 1, cols, k_ok, stride_xm, BN, BK, ACC)
+            acc1 += _row_part(w, scale, x_ptr, 1, cols, k_ok, stride_xm, BN, BK, ACC, QDQ_X)
         if BM > 2:
-            acc2 += _row_part(w, scale, x_ptr, 2, cols, k_ok, stride_xm, BN, BK, ACC)
+            acc2 += _row_part(w, scale, x_ptr, 2, cols, k_ok, stride_xm, BN, BK, ACC, QDQ_X)
         if BM > 3:
-            acc3 += _row_part(w, scale, x_ptr, 3, cols, k_ok, stride_xm, BN, BK, ACC)
+            acc3 += _row_part(w, scale, x_ptr, 3, cols, k_ok, stride_xm, BN, BK, ACC, QDQ_X)
         if BM > 4:
-            acc4 += _row_part(w, scale, x_ptr, 4, cols, k_ok, stride_xm, BN, BK, ACC)
+            acc4 += _row_part(w, scale, x_ptr, 4, cols, k_ok, stride_xm, BN, BK, ACC, QDQ_X)
         if BM > 5:
-            acc5 += _row_part(w, scale, x_ptr, 5, cols, k_ok, stride_xm, BN, BK, ACC)
+            acc5 += _row_part(w, scale, x_ptr, 5, cols, k_ok, stride_xm, BN, BK, ACC, QDQ_X)
         if BM > 6:
-            acc6 += _row_part(w, scale, x_ptr, 6, cols, k_ok, stride_xm, BN, BK, ACC)
+            acc6 += _row_part(w, scale, x_ptr, 6, cols, k_ok, stride_xm, BN, BK, ACC, QDQ_X)
         if BM > 7:
-            acc7 += _row_part(w, scale, x_ptr, 7, cols, k_ok, stride_xm, BN, BK, ACC)
+            acc7 += _row_part(w, scale, x_ptr, 7, cols, k_ok, stride_xm, BN, BK, ACC, QDQ_X)
     split_stride = M * stride_pm
     _store_row(reduce_sum(acc0, 1), 0, offs_n, n_ok, out_ptr, out_col, stride_om, part_ptr, part_col,
                stride_pm, pid_s, split_stride, splits)
@@ -166,19 +178,26 @@ def rows_split(columns: int, k: int, tile: dict, target: int) -> tuple[int, int]
 def rows_linear(x2d: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, fmt: int, n: int, k: int,
                 out_dtype: torch.dtype, groups: int = 1, tile: dict | None = None, split_target: int | None = None,
                 second: tuple[torch.Tensor, torch.Tensor | None, int] | None = None,
-                weight_round: torch.dtype | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                weight_round: torch.dtype | None = None, quantize: bool = False
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """out [M, groups * n] = x2d [M, groups * k] times each group's n rows of the weight, for M <= ROWS_MAX_ROWS.
 
-    x2d: the activations as the products take them (QDQ'd, or in the weight's dtype), contiguous along K; weight
-    [groups * n, k] e4m3 with E8M0 tiles (fmt FMT_FP8_TILE) or dense (FMT_DENSE, scale None; `weight_round`
-    bf16/fp16: its values rounded to that dtype first, in registers). second: (weight2, scale2, n2) of a second
-    weight of the same storage on the same input (one group): returns (out, out2)."""
+    x2d: the activations as the products take them (QDQ'd, or in the weight's dtype), contiguous along K; with
+    `quantize`, as they are (bf16/fp16/fp32), to be FP8-QDQ'd first: inside the kernel for one row (no launch of
+    its own), by quant.fp8_act_qdq for more (the kernel would repeat it per row); the same values either way.
+    weight [groups * n, k] e4m3 with E8M0 tiles (fmt FMT_FP8_TILE) or dense (FMT_DENSE, scale None;
+    `weight_round` bf16/fp16: its values rounded to that dtype first, in registers). second: (weight2, scale2, n2)
+    of a second weight of the same storage on the same input (one group): returns (out, out2)."""
     m = x2d.shape[0]
+    if quantize and (m > 1 or x2d.dtype == torch.float64):
+        x2d, quantize = fp8_act_qdq(x2d, torch.bfloat16), False
+    split_tile = tile
     if tile is None:  # the same bytes per tile for wider dense weights (BK 256 of bf16 spills at eight rows)
-        tile = dict(ROWS_TILE, BK=max(32, ROWS_TILE["BK"] // weight.element_size()))
+        bk = max(32, ROWS_TILE["BK"] // weight.element_size())
+        split_tile, tile = dict(ROWS_TILE, BK=bk), dict(ROWS_TILE if m == 1 else MULTI_ROW_TILE, BK=bk)
     w2, s2, n2 = second if second is not None else (weight, scale, 0)
     columns = groups * n + n2
-    splits, k_chunk = rows_split(columns, k, tile, split_target or SPLIT_TARGET_PROGRAMS)
+    splits, k_chunk = rows_split(columns, k, split_tile, split_target or SPLIT_TARGET_PROGRAMS)
     out = torch.empty(m, groups * n, dtype=out_dtype, device=x2d.device)
     out2 = torch.empty(m, n2, dtype=out_dtype, device=x2d.device) if second is not None else out
     tiles1 = triton.cdiv(n, tile["BN"])
@@ -195,6 +214,6 @@ def rows_linear(x2d: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | N
         x2d.stride(0), weight.stride(0), 0 if scale is None else scale.stride(0), out.stride(0), columns,
         w2, s2_arg, out2, n2, tiles1, out2.stride(0),
         BN=tile["BN"], BK=tile["BK"], BM=row_block(m), WFMT=fmt, PAIR=second is not None,
-        ACC=acc, W_ROUND=_ROUNDED.get(weight_round, acc),
+        ACC=acc, W_ROUND=_ROUNDED.get(weight_round, acc), QDQ_X=quantize,
         num_warps=tile["num_warps"], num_stages=tile["num_stages"], **launch_options())
     return (out, out2) if second is not None else out

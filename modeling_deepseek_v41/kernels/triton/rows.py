@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import abs_max, cast, pow2_ceil_scale, reduce_sum, round_e4m3
+from .common import cast, qdq_groups, reduce_sum
 from .launch import launch_options, wait_for_inputs
 
 
@@ -44,15 +44,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @triton.jit
-def _qdq_rows(v, BLOCK: tl.constexpr):
-    """The FP8 activation QDQ (numerics.fp8_act_qdq) of a [BLOCK] row in fp32: per 32 values, a power-of-two
-    scale, values rounded to e4m3. Returns (codes as fp32 e4m3 values [BLOCK/32, 32], scales [BLOCK/32])."""
-    groups = tl.reshape(v.to(tl.float32), [BLOCK // 32, 32])
-    scale = pow2_ceil_scale(tl.maximum(abs_max(groups, 1), 1e-4))
-    return round_e4m3(tl.minimum(tl.maximum(groups / scale[:, None], -448.0), 448.0)), scale
-
-
-@triton.jit
 def _window_kv_kernel(x_ptr, w_ptr, rot_ptr, out_ptr, eps, stride_x, D: tl.constexpr, ROPE: tl.constexpr,
                       ACC: tl.constexpr):
     """out = fp8_act_qdq(rope_tail(rms_norm(x))) for one row; every step rounds to out's dtype as the ops do."""
@@ -73,7 +64,7 @@ def _window_kv_kernel(x_ptr, w_ptr, rot_ptr, out_ptr, eps, stride_x, D: tl.const
     sin = tl.load(rot_ptr + r * ROPE + 2 * pair + 1, mask=in_rope, other=0.0).to(ACC)
     even, odd = tl.where(in_rope, even * cos - odd * sin, even), tl.where(in_rope, even * sin + odd * cos, odd)
     y = tl.reshape(tl.join(cast(even, out_ptr.dtype.element_ty), cast(odd, out_ptr.dtype.element_ty)), [D])
-    codes, scale = _qdq_rows(y, D)  # from fp32, as numerics.fp8_act_qdq quantizes in every dtype
+    codes, scale = qdq_groups(y, D)  # from fp32, as numerics.fp8_act_qdq quantizes in every dtype
     y = tl.reshape(codes * scale[:, None], [D])
     tl.store(out_ptr + r * D + tl.arange(0, D), cast(y, out_ptr.dtype.element_ty))
 
@@ -105,7 +96,7 @@ def _ring_write_kernel(v_ptr, codes_ptr, scales_ptr, ring_pos_ptr, pos_ptr, S, s
     if p >= 0:
         slot = p % slots
         v = tl.load(v_ptr + r * D + tl.arange(0, D))
-        codes, scale = _qdq_rows(v, D)
+        codes, scale = qdq_groups(v, D)
         exponent = ((scale.to(tl.int32, bitcast=True) >> 23) & 0xFF).to(tl.uint8)
         tl.store(codes_ptr + b * stride_cb + slot * D + tl.arange(0, D),
                  tl.reshape(codes, [D]).to(tl.float8e4nv).to(tl.uint8, bitcast=True))
