@@ -93,8 +93,8 @@ def test_a_rows_sum_does_not_depend_on_the_calls_rows(split_target):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_rows_as_they_are_are_quantized_once_with_the_same_bits_at_any_row_count(dtype):
     """quantize=True takes the activations as they are: one row is FP8-QDQ'd inside the kernel, more rows by a QDQ
-    launch first. With the default tiles (past one row, half as many weight rows per program and the same split of
-    K) row i's result is the same bits at every row count, and those of the call on the exactly QDQ'd rows."""
+    launch first. With the default tiles row i's result is the same bits at every row count, and those of the call
+    on the exactly QDQ'd rows."""
     n, k = 96, 1280
     w, s, _ = _fp8(n, k, seed=14)
     x = _randn(ROWS_MAX_ROWS, k, seed=15, dtype=dtype)

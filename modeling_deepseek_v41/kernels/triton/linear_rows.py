@@ -25,10 +25,6 @@ from .quant import fp8_act_qdq
 
 ROWS_MAX_ROWS = 8
 ROWS_TILE = {"BN": 64, "BK": 256, "num_warps": 4, "num_stages": 1}  # kernel_tuning.py --only rows, H200
-# two rows or more: half as many weight rows per program, the same BK and split (so the same sums). Offline sm_90
-# at six rows: 152 instead of 249 registers, three programs per SM instead of one (a DSpark verify's linears ran
-# 3.2x their one-row time on the H200 with one)
-MULTI_ROW_TILE = dict(ROWS_TILE, BN=32)
 SPLIT_TARGET_PROGRAMS = 528  # about four programs per SM; a constant, so the split depends on (N, K) only
 _ROUNDED = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -191,13 +187,11 @@ def rows_linear(x2d: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | N
     m = x2d.shape[0]
     if quantize and (m > 1 or x2d.dtype == torch.float64):
         x2d, quantize = fp8_act_qdq(x2d, torch.bfloat16), False
-    split_tile = tile
     if tile is None:  # the same bytes per tile for wider dense weights (BK 256 of bf16 spills at eight rows)
-        bk = max(32, ROWS_TILE["BK"] // weight.element_size())
-        split_tile, tile = dict(ROWS_TILE, BK=bk), dict(ROWS_TILE if m == 1 else MULTI_ROW_TILE, BK=bk)
+        tile = dict(ROWS_TILE, BK=max(32, ROWS_TILE["BK"] // weight.element_size()))
     w2, s2, n2 = second if second is not None else (weight, scale, 0)
     columns = groups * n + n2
-    splits, k_chunk = rows_split(columns, k, split_tile, split_target or SPLIT_TARGET_PROGRAMS)
+    splits, k_chunk = rows_split(columns, k, tile, split_target or SPLIT_TARGET_PROGRAMS)
     out = torch.empty(m, groups * n, dtype=out_dtype, device=x2d.device)
     out2 = torch.empty(m, n2, dtype=out_dtype, device=x2d.device) if second is not None else out
     tiles1 = triton.cdiv(n, tile["BN"])
