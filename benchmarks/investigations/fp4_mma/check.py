@@ -1,0 +1,120 @@
+"""Checks of the candidate FP4 MMA formulation (fp4_mma.py).
+
+    python check.py layout          # CPU: the load-time permutation puts each column where the kernel reads it
+    python check.py sass out.sass   # CPU: compile for sm_90 with the Triton 3.6 wheel in /tmp/t36, loop mix
+    python check.py gpu             # H200: the kernel against the dequantized product; timing against moe_rows
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.abspath(os.path.join(HERE, "..", "..", ".."))
+if len(sys.argv) > 1 and sys.argv[1] == "sass":
+    sys.path.insert(0, "/tmp/t36")
+sys.path[:0] = [HERE, ROOT]
+
+import torch  # noqa: E402
+
+
+def random_packed(e, n, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    packed = torch.randint(0, 256, (e, n, k // 2), generator=g, dtype=torch.uint8)
+    scales = torch.randint(118, 128, (e, n, k // 32), generator=g, dtype=torch.uint8)
+    return packed, scales
+
+
+def check_layout():
+    from fp4_mma import lane_columns, permute_fp4_words
+    e, n, k = 2, 8, 256
+    packed, _ = random_packed(e, n, k)
+    codes = torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2)  # [e, n, k] column order
+    words = permute_fp4_words(packed)  # [e, n, k/8] int32
+    nib = torch.stack([(words >> (4 * i)) & 15 for i in range(8)], dim=-1)  # [e, n, k/8, 8]: nibble i of word w
+    cols = lane_columns()
+    rebuilt = torch.empty_like(codes)
+    for s in range(k // 128):  # word 4t + g of a 128-column slice: group g's nibbles for lane t
+        for g in range(4):
+            for t in range(4):
+                for i in range(8):
+                    rebuilt[:, :, 128 * s + 32 * g + cols[t, i]] = nib[:, :, 16 * s + 4 * t + g, i].to(torch.uint8)
+    assert torch.equal(rebuilt, codes), "a permuted nibble is not the column the kernel reads it as"
+    assert sorted(cols.reshape(-1).tolist()) == list(range(32))
+    print("layout: every column of every group is where the kernel's lanes read it")
+
+
+def check_sass(out):
+    import subprocess
+    import tempfile
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    import fp4_mma
+    fn = fp4_mma._fp4_mma_kernel
+    names = list(fn.arg_names) if hasattr(fn, "arg_names") else None
+    import inspect
+    names = list(inspect.signature(fn.fn).parameters)
+    types = {"x_ptr": "*fp16", "xs_ptr": "*fp32", "w_ptr": "*i32", "s_ptr": "*u8", "out_ptr": "*fp32",
+             "row_token_ptr": "*i32", "block_expert_ptr": "*i32", "block_start_ptr": "*i32", "block_end_ptr": "*i32"}
+    const = {"BN": int(os.environ.get("BN", 128)), "WORD_ASM": fp4_mma._FP4_WORD_ASM.value}
+    sig = {a: ("constexpr" if a in const else types.get(a, "i32")) for a in names}
+    div = {(names.index(a),): [["tt.divisibility", 16]] for a in names
+           if sig[a] != "constexpr" and (sig[a].startswith("*") or a.startswith("stride") or a in ("N", "K", "k_chunk"))}
+    kernel = triton.compile(GluonASTSource(fn, sig, const, div), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": 4})
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(kernel.asm["cubin"])
+    nv = "/tmp/t36/triton/backends/nvidia/bin/"
+    open(out, "w").write(subprocess.run([nv + "nvdisasm", "-c", f.name], capture_output=True, text=True).stdout)
+    usage = subprocess.run([nv + "cuobjdump", "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    print([line.strip() for line in usage.splitlines() if "REG" in line], "shared", kernel.metadata.shared)
+
+
+def check_gpu():
+    import triton
+    from fp4_mma import grouped_fp4_mma, permute_fp4_words
+    from modeling_deepseek_v41.kernels.numerics import dequantize_fp4_weight
+    from modeling_deepseek_v41.kernels.triton.moe_schedule import moe_schedule
+    from modeling_deepseek_v41.kernels.triton.moe_rows import rows_moe
+    from modeling_deepseek_v41.kernels.triton.quant import fp8_act_quant
+    dev = "cuda"
+    torch.manual_seed(0)
+    for e, n, k, tokens, top_k in ((8, 2304, 5120, 1, 6), (32, 2304, 5120, 6, 6), (32, 2304, 5120, 32, 6),
+                                   (384, 2304, 5120, 32, 6)):
+        packed, scales = random_packed(e, n, k, seed=e + tokens)
+        words = permute_fp4_words(packed.to(dev))
+        scales = scales.to(dev)
+        x = torch.randn(tokens, k, device=dev, dtype=torch.bfloat16)
+        experts = torch.rand(tokens, e, device=dev).topk(top_k, dim=-1).indices
+        pair_of_row, block_expert, block_start, block_end, _ = moe_schedule(experts, e, 16)
+        row_token = (pair_of_row // top_k).to(torch.int32)
+        codes, xs = fp8_act_quant(x, torch.float16)
+        out = grouped_fp4_mma(codes, xs, words, scales, row_token, block_expert, block_start, block_end, 1280)
+        got = out.sum(0)
+        pairs = pair_of_row.shape[0]
+        valid = torch.arange(pairs, device=dev) < tokens * top_k  # rows past the real pairs are not stored
+        ids = experts.reshape(-1)[pair_of_row.long().clamp_max(tokens * top_k - 1)]
+        xq = codes.float() * xs.repeat_interleave(32, dim=1)
+        want = torch.stack([xq[row_token[r].long()] @ dequantize_fp4_weight(
+            packed[ids[r].item()].view(torch.int8).to(dev), scales[ids[r].item()].view(torch.float8_e8m0fnu), torch.float32).t()
+            for r in range(pairs) if valid[r]])
+        rel = ((got[valid] - want).norm() / want.norm()).item()
+        ms = triton.testing.do_bench_cudagraph(lambda: grouped_fp4_mma(
+            codes, xs, words, scales, row_token, block_expert, block_start, block_end, 1280))
+        touched = min(e, tokens * top_k)
+        roof = touched * n * k / 2 / 4.8e12 * 1e3
+        print(f"E {e} tokens {tokens}: rel {rel:.2e}, {ms * 1e3:.1f} us against {roof * 1e3:.1f} us of bytes "
+              f"(one projection)")
+        assert rel < 1e-5
+
+
+if __name__ == "__main__":
+    what = sys.argv[1] if len(sys.argv) > 1 else "layout"
+    if what == "layout":
+        check_layout()
+    elif what == "sass":
+        check_sass(sys.argv[2])
+    else:
+        check_gpu()
