@@ -41,6 +41,13 @@ def check_layout():
                 for i in range(8):
                     rebuilt[:, :, 128 * s + 32 * g + cols[t, i]] = nib[:, :, 16 * s + 4 * t + g, i].to(torch.uint8)
     assert torch.equal(rebuilt, codes), "a permuted nibble is not the column the kernel reads it as"
+    from fp4_mma import permute_activations
+    x = torch.arange(k, dtype=torch.float32).expand(2, k)
+    xp = permute_activations(x)  # the kernel's x offsets 32t + 8g + i must hold the weights' column of (t, g, i)
+    for t in range(4):
+        for g in range(4):
+            for i in range(8):
+                assert xp[0, 32 * t + 8 * g + i] == 32 * g + cols[t, i]
     assert sorted(cols.reshape(-1).tolist()) == list(range(32))
     print("layout: every column of every group is where the kernel's lanes read it")
 
@@ -74,7 +81,7 @@ def check_sass(out):
 
 def check_gpu():
     import triton
-    from fp4_mma import grouped_fp4_mma, permute_fp4_words
+    from fp4_mma import BM, grouped_fp4_mma, permute_activations, permute_fp4_words
     from modeling_deepseek_v41.kernels.numerics import dequantize_fp4_weight
     from modeling_deepseek_v41.kernels.triton.moe_schedule import moe_schedule
     from modeling_deepseek_v41.kernels.triton.moe_rows import rows_moe
@@ -88,10 +95,11 @@ def check_gpu():
         scales = scales.to(dev)
         x = torch.randn(tokens, k, device=dev, dtype=torch.bfloat16)
         experts = torch.rand(tokens, e, device=dev).topk(top_k, dim=-1).indices
-        pair_of_row, block_expert, block_start, block_end, _ = moe_schedule(experts, e, 16)
+        pair_of_row, block_expert, block_start, block_end, _ = moe_schedule(experts, e, BM.value)
         row_token = (pair_of_row // top_k).to(torch.int32)
         codes, xs = fp8_act_quant(x, torch.float16)
-        out = grouped_fp4_mma(codes, xs, words, scales, row_token, block_expert, block_start, block_end, 1280)
+        xp = permute_activations(codes)
+        out = grouped_fp4_mma(xp, xs, words, scales, row_token, block_expert, block_start, block_end, 1280)
         got = out.sum(0)
         pairs = pair_of_row.shape[0]
         valid = torch.arange(pairs, device=dev) < tokens * top_k  # rows past the real pairs are not stored
@@ -102,7 +110,7 @@ def check_gpu():
             for r in range(pairs) if valid[r]])
         rel = ((got[valid] - want).norm() / want.norm()).item()
         ms = triton.testing.do_bench_cudagraph(lambda: grouped_fp4_mma(
-            codes, xs, words, scales, row_token, block_expert, block_start, block_end, 1280))
+            xp, xs, words, scales, row_token, block_expert, block_start, block_end, 1280))
         touched = min(e, tokens * top_k)
         roof = touched * n * k / 2 / 4.8e12 * 1e3
         print(f"E {e} tokens {tokens}: rel {rel:.2e}, {ms * 1e3:.1f} us against {roof * 1e3:.1f} us of bytes "

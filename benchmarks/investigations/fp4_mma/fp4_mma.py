@@ -20,51 +20,60 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 # int32 word of packed e2m1 -> 8 fp16 (nibble i -> output i), values x 2^-6: modeling_deepseek_v41's PTX block
 from modeling_deepseek_v41.kernels.triton.common import _FP4_WORD_ASM
 
-BM = gl.constexpr(16)  # the MMA's rows: a block's rows (one expert), padded
+BM = gl.constexpr(8)  # the MMA's columns: a block's rows (one expert), padded
 
 
 def lane_columns() -> torch.Tensor:
-    """[4, 8]: the group column that nibble i of word t carries (the B fragment of m16n8k16, two k-steps)."""
+    """[4, 8]: the group column that nibble i of word t carries (the A fragment of m16n8k16, two k-steps; nibbles
+    0 and 2, 1 and 3, 4 and 6, 5 and 7 neighbours in k, as the unpacking leaves them paired in registers)."""
     t = torch.arange(4)[:, None]
     i = torch.arange(8)[None, :]
-    return (i & 1) + 2 * t + 8 * ((i >> 1) & 1) + 16 * (i >> 2)
+    return ((i >> 1) & 1) + 2 * t + 8 * (i & 1) + 16 * (i >> 2)
 
 
 SLICE = 128  # columns per loop step: four 32-column groups, each lane's four words in one 16-byte load
 _SLICE = gl.constexpr(SLICE)
 
 
-def permute_fp4_words(packed: torch.Tensor) -> torch.Tensor:
-    """Packed e2m1 [..., N, K/2] (byte j: columns 2j low, 2j+1 high; K a multiple of SLICE) -> int32 words
-    [..., N, K/8]: in each SLICE-column slice, nibble i of word 4t + g is column 32g + lane_columns()[t, i]."""
-    codes = torch.stack((packed.to(torch.uint8) & 15, packed.to(torch.uint8) >> 4), dim=-1).flatten(-2)
-    k = codes.shape[-1]
+def slice_permutation(k: int) -> torch.Tensor:
+    """[K]: the column that position 32t + 8g + i of each SLICE-column slice holds (group g's value i of lane t)."""
     if k % SLICE:
         raise ValueError(f"K ({k}) must be a multiple of {SLICE}")
-    cols = lane_columns()  # [t, i]
-    within = (32 * torch.arange(4)[None, :, None] + cols[:, None, :]).reshape(-1)  # [t, g, i] -> column
-    perm = (torch.arange(0, k, SLICE)[:, None] + within[None, :]).reshape(-1).to(codes.device)
-    codes = codes.index_select(-1, perm)
+    within = (32 * torch.arange(4)[None, :, None] + lane_columns()[:, None, :]).reshape(-1)  # [t, g, i]
+    return (torch.arange(0, k, SLICE)[:, None] + within[None, :]).reshape(-1)
+
+
+def permute_fp4_words(packed: torch.Tensor) -> torch.Tensor:
+    """Packed e2m1 [..., N, K/2] (byte j: columns 2j low, 2j+1 high) -> int32 words [..., N, K/8] in the slices'
+    order: nibble i of word 4t + g of a slice is its column 32g + lane_columns()[t, i]."""
+    codes = torch.stack((packed.to(torch.uint8) & 15, packed.to(torch.uint8) >> 4), dim=-1).flatten(-2)
+    codes = codes.index_select(-1, slice_permutation(codes.shape[-1]).to(codes.device))
     return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous().view(torch.int32)
+
+
+def permute_activations(x: torch.Tensor) -> torch.Tensor:
+    """[..., K] activations (the e4m3 values in fp16) in the slices' order, as the kernel loads them."""
+    return x.index_select(-1, slice_permutation(x.shape[-1]).to(x.device)).contiguous()
 
 
 @gluon.jit
 def _e8m0(byte):
-    byte = byte.to(gl.int32) & 0xFF
-    return gl.where(byte == 0, 5.877471754111438e-39, (byte << 23).to(gl.float32, bitcast=True))
+    """2^(byte - 127) from E8M0 bytes; byte 0 (2^-127, a subnormal: bits 1 << 22) by a max, not a select."""
+    return gl.maximum((byte & 0xFF) << 23, 1 << 22).to(gl.float32, bitcast=True)
 
 
 @gluon.jit
-def _group_dot(acc, word, a, sw, sx, B_L: gl.constexpr, MMA: gl.constexpr, BN: gl.constexpr,
+def _group_dot(acc, word, xg, sw, sx, A_L: gl.constexpr, MMA: gl.constexpr, BN: gl.constexpr,
                WORD_ASM: gl.constexpr):
-    """acc + (x's 32 columns a [16, 32] . one group's weights [32, BN] from lane-ordered words [4, BN]) x scales."""
+    """acc + (one group's weights [BN, 32] from lane-ordered words [BN, 4] . x's 32 columns xg [32, BM]) x scales."""
     v0, v1, v2, v3, v4, v5, v6, v7 = gl.inline_asm_elementwise(
         WORD_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r", [word], (gl.float16,) * 8, True, 1)
-    # [t, n, i0, i1, i2] -> [i2, i1, t, i0, n] = [k, n] with k = 16 i2 + 8 i1 + 2 t + i0 (lane_columns)
-    values = gl.join(gl.join(gl.join(v0, v1), gl.join(v2, v3)), gl.join(gl.join(v4, v5), gl.join(v6, v7)))
-    values = gl.convert_layout(gl.reshape(gl.permute(values, [4, 3, 0, 2, 1]), [32, BN]), B_L)
-    d = mma_v2(a, values, gl.zeros([BM, BN], gl.float32, MMA))
-    return acc + d * (sx[:, None] * sw[None, :])
+    # [n, t, a, b, c] (a: v0|v2 ..., b: v0|v1 ..., c: v0|v4) -> [n, c, b, t, a] = [n, k], k = 16c + 8b + 2t + a:
+    # the asm leaves nibbles 0 and 2 (1 and 3, 4 and 6, 5 and 7) in one register, so they are k's neighbours
+    values = gl.join(gl.join(gl.join(v0, v2), gl.join(v1, v3)), gl.join(gl.join(v4, v6), gl.join(v5, v7)))
+    values = gl.convert_layout(gl.reshape(gl.permute(values, [0, 4, 3, 1, 2]), [BN, 32]), A_L)
+    d = mma_v2(values, xg, gl.zeros([BN, BM], gl.float32, MMA))
+    return acc + d * (sw[:, None] * sx[None, :])
 
 
 @gluon.jit
@@ -72,11 +81,16 @@ def _fp4_mma_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, row_token_ptr, block_e
                     block_end_ptr, P, N, K, k_chunk, stride_xm, stride_xsm, stride_we, stride_wn, stride_se,
                     stride_sn, BN: gl.constexpr, WORD_ASM: gl.constexpr):
     """out[split, r, n] = sum over this split's k of x[token(r), k] w[expert, n, k], fp32, for the block's rows."""
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 4], instr_shape=[16, 8])
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     B_L: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
-    # lane 4r + t holds weight row r's words 4t..4t+3 of a slice (one per group): one 16-byte load
-    WORDS: gl.constexpr = gl.BlockedLayout([1, 1, 4], [4, 8, 1], [1, 4, 1], [2, 0, 1])
+    # [BN = 128 rows, 4 t, 4 groups] words placed as the A fragments want them: lane 4 (row % 8) + t holds rows
+    # r and r + 8 of its warp's 16-row tile (and + 64), its four words of a slice (one per group) in one load
+    WORDS: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1], [0, 0, 2], [8, 0, 0], [64, 0, 0]], lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0],
+                                                                             [2, 0, 0], [4, 0, 0]],
+        warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[128, 4, 4])
+    gl.static_assert(BN == 128, "the words' layout is written for 128 weight rows per program")
     b = gl.program_id(0)
     start = gl.load(block_start_ptr + b)
     end = gl.load(block_end_ptr + b)
@@ -85,44 +99,62 @@ def _fp4_mma_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, row_token_ptr, block_e
         n0 = gl.program_id(1) * BN
         k_start = gl.program_id(2) * k_chunk
         k_stop = gl.minimum(k_start + k_chunk, K)
-        t = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, WORDS)))
-        n_w = gl.minimum(n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, gl.SliceLayout(2, WORDS))), N - 1)
+        n_w = gl.minimum(n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, WORDS))), N - 1)
+        t = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, WORDS)))
         g_w = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, WORDS)))
-        w_rows = (w_ptr + expert * stride_we + n_w[None, :, None].to(gl.int64) * stride_wn + 4 * t[:, None, None]
+        w_rows = (w_ptr + expert * stride_we + n_w[:, None, None].to(gl.int64) * stride_wn + 4 * t[None, :, None]
                   + g_w[None, None, :])
-        r_a = start + gl.arange(0, BM, layout=gl.SliceLayout(1, A_L))
-        tok_a = gl.load(row_token_ptr + r_a, mask=r_a < end, other=0).to(gl.int64)
-        c_a = gl.arange(0, 32, layout=gl.SliceLayout(0, A_L))
-        x_rows = x_ptr + tok_a[:, None] * stride_xm + c_a[None, :]
-        a_ok = (r_a < end)[:, None] & (c_a >= 0)[None, :]
-        r_c = start + gl.arange(0, BM, layout=gl.SliceLayout(1, MMA))
+        # the slice's activations of the block's rows, permuted as the weights are: [8 rows, 4 t, 4 groups, 8 i],
+        # lane 4 row + t holding its 32 values (8 per group) of the slice in four 16-byte loads
+        XL: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 4], [0, 0, 1, 0], [0, 0, 2, 0]],
+            lane_bases=[[0, 1, 0, 0], [0, 2, 0, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
+            warp_bases=[[0, 0, 0, 0], [0, 0, 0, 0]], block_bases=[], shape=[8, 4, 4, 8])
+        r_x = start + gl.arange(0, BM, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, XL))))
+        tok_x = gl.load(row_token_ptr + r_x, mask=r_x < end, other=0).to(gl.int64)
+        t_x = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, XL))))
+        g_x = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, XL))))
+        i_x = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, XL))))
+        x_rows = (x_ptr + tok_x[:, None, None, None] * stride_xm + 32 * t_x[None, :, None, None]
+                  + 8 * g_x[None, None, :, None] + i_x[None, None, None, :])
+        x_ok = (r_x < end)[:, None, None, None] & (i_x >= 0)[None, None, None, :]
+        n_c = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
+        r_c = start + gl.arange(0, BM, layout=gl.SliceLayout(0, MMA))
         tok_c = gl.load(row_token_ptr + r_c, mask=r_c < end, other=0).to(gl.int64)
-        n_c = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, MMA))
         s_rows = s_ptr + expert * stride_se + gl.minimum(n_c, N - 1).to(gl.int64) * stride_sn
         xs_rows = xs_ptr + tok_c * stride_xsm
-        acc = gl.zeros([BM, BN], gl.float32, MMA)
+        acc = gl.zeros([BN, BM], gl.float32, MMA)
         for k in range(k_start, k_stop, _SLICE):
-            words = gl.load(w_rows + k // 8)  # [4 lanes, BN, 4 groups]
-            even, odd = gl.split(gl.reshape(words, [4, BN, 2, 2]))  # groups 0 and 2, 1 and 3
+            words = gl.load(w_rows + k // 8)  # [BN, 4 lanes, 4 groups]
+            even, odd = gl.split(gl.reshape(words, [BN, 4, 2, 2]))  # groups 0 and 2, 1 and 3
             w0, w2 = gl.split(even)
             w1, w3 = gl.split(odd)
             bytes4 = gl.load((s_rows + k // 32).to(gl.pointer_type(gl.int32), bitcast=True))  # the 4 groups' scales
+            xs4 = gl.load(x_rows + k, mask=x_ok, other=0.0)  # [8, 4, 4, 8]
+            x_even, x_odd = gl.split(gl.permute(gl.reshape(xs4, [8, 4, 2, 2, 8]), [0, 1, 2, 4, 3]))
+            x0, x2 = gl.split(gl.permute(x_even, [0, 1, 3, 2]))
+            x1, x3 = gl.split(gl.permute(x_odd, [0, 1, 3, 2]))
             for g in gl.static_range(4):
                 word = w0 if g == 0 else w1 if g == 1 else w2 if g == 2 else w3
-                sw = _e8m0(bytes4 >> (8 * g)) * 64.0  # the nibbles' values are x 2^-6
+                xq = x0 if g == 0 else x1 if g == 1 else x2 if g == 2 else x3  # [8 rows, 4 t, 8 i]
+                # [n, t, c, a, b] (i = 4c + 2a + b: k = 16c + 8b + 2t + a) -> [c, b, t, a, n] = [k, n]
+                xg = gl.convert_layout(gl.reshape(gl.permute(gl.reshape(xq, [8, 4, 2, 2, 2]), [2, 4, 1, 3, 0]),
+                                                  [32, BM]), B_L)
+                sw = _e8m0(bytes4 >> (8 * g))
                 sx = gl.load(xs_rows + k // 32 + g, mask=r_c < end, other=0.0)
-                a = gl.load(x_rows + k + 32 * g, mask=a_ok, other=0.0)
-                acc = _group_dot(acc, word, a, sw, sx, B_L, MMA, BN, WORD_ASM)
-        out = out_ptr + gl.program_id(2).to(gl.int64) * P * N + r_c[:, None].to(gl.int64) * N + n_c[None, :]
-        gl.store(out, acc, mask=(r_c < end)[:, None] & (n_c < N)[None, :])
+                acc = _group_dot(acc, word, xg, sw, sx, A_L, MMA, BN, WORD_ASM)
+        out = out_ptr + gl.program_id(2).to(gl.int64) * P * N + r_c[None, :].to(gl.int64) * N + n_c[:, None]
+        gl.store(out, acc, mask=(n_c < N)[:, None] & (r_c < end)[None, :])
 
 
 def grouped_fp4_mma(x_codes: torch.Tensor, x_scales: torch.Tensor, words: torch.Tensor, scales: torch.Tensor,
                     row_token: torch.Tensor, block_expert: torch.Tensor, block_start: torch.Tensor,
                     block_end: torch.Tensor, k_chunk: int, bn: int = 128) -> torch.Tensor:
     """Split partials [splits, P, N] fp32 of the sorted rows' products with their expert's permuted FP4 weight.
-    x_codes [T, K] fp16 e4m3 values, x_scales [T, K/32] fp32; words [E, N, K/8] (permute_fp4_words); scales
-    [E, N, K/32] E8M0 bytes; row_token [P] int32 (a sorted row's token); blocks of <= 16 rows of one expert."""
+    x_codes [T, K] fp16 e4m3 values in the slices' order (permute_activations), x_scales [T, K/32] fp32 (as
+    quant.fp8_act_quant gives them); words [E, N, K/8] (permute_fp4_words); scales [E, N, K/32] E8M0 bytes;
+    row_token [P] int32 (a sorted row's token); blocks of <= 8 rows of one expert."""
+    x_scales = x_scales * 64.0  # the unpacked nibbles are the e2m1 values x 2^-6 (a QDQ kernel would store this)
     e, n, kw = words.shape
     k = kw * 8
     p = row_token.shape[0]
