@@ -1,6 +1,7 @@
 """Checks of the candidate FP4 MMA formulation (fp4_mma.py).
 
     python check.py layout          # CPU: the load-time permutation puts each column where the kernel reads it
+    python check.py emulate         # CPU: the kernel's steps (splits, joins, permutes, reshapes) in torch
     python check.py sass out.sass   # CPU: compile for sm_90 with the Triton 3.6 wheel in /tmp/t36, loop mix
     python check.py gpu             # H200: the kernel against the dequantized product; timing against moe_rows
 """
@@ -50,6 +51,71 @@ def check_layout():
                 assert xp[0, 32 * t + 8 * g + i] == 32 * g + cols[t, i]
     assert sorted(cols.reshape(-1).tolist()) == list(range(32))
     print("layout: every column of every group is where the kernel's lanes read it")
+
+
+def _nibble_values(word):
+    """fp4_word_nibbles' eight outputs (nibble i as its e2m1 value x 2^-6) in torch."""
+    from modeling_deepseek_v41.kernels.numerics import fp4_dequantize_rows  # noqa: F401  (the package imports)
+    table = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6]) / 64
+    return [table[((word >> (4 * i)) & 15).long()] for i in range(8)]
+
+
+def _join(a, b):
+    return torch.stack((a, b), dim=-1)  # gl.join: the pair on a new last axis
+
+
+def check_emulate():
+    """The Gluon kernel's per-program steps in torch (gl.join/split/permute/reshape have torch's semantics), over a
+    schedule's blocks, against the dense product of the QDQ'd activations and the dequantized experts."""
+    from fp4_mma import permute_activations, permute_fp4_words
+    from modeling_deepseek_v41.kernels.numerics import dequantize_fp4_weight, fp8_act_qdq
+    e, n, k, tokens, top_k, bn, bm = 4, 256, 512, 5, 2, 128, 8
+    packed, scales = random_packed(e, n, k, seed=3)
+    words = permute_fp4_words(packed)
+    x = torch.randn(tokens, k, generator=torch.Generator().manual_seed(4))
+    xq = fp8_act_qdq(x)
+    xs = (xq.view(tokens, -1, 32).abs().amax(-1).clamp_min(1e-30))  # any per-group power of two works: use QDQ's
+    xs = torch.exp2(torch.ceil(torch.log2(xs / 448)))
+    codes = (xq.view(tokens, -1, 32) / xs[..., None]).view(tokens, k)
+    xp = permute_activations(codes)
+    experts = torch.stack([torch.randperm(e, generator=torch.Generator().manual_seed(10 + i))[:top_k]
+                           for i in range(tokens)])
+    pairs = [(tok, int(ex)) for tok in range(tokens) for ex in experts[tok]]
+    for ex in range(e):  # blocks of up to bm rows of one expert
+        rows = [tok for tok, which in pairs if which == ex]
+        for b0 in range(0, len(rows), bm):
+            block = rows[b0:b0 + bm]
+            acc = torch.zeros(n, bm)
+            for n0 in range(0, n, bn):
+                for k0 in range(0, k, 128):
+                    wds = words[ex, n0:n0 + bn, k0 // 8:k0 // 8 + 16].view(bn, 4, 4)  # [BN, t, g]
+                    even, odd = wds.view(bn, 4, 2, 2).unbind(-1)
+                    w0, w2 = even.unbind(-1)
+                    w1, w3 = odd.unbind(-1)
+                    xs4 = torch.zeros(bm, 4, 4, 8)
+                    xs4[:len(block)] = xp[block, k0:k0 + 128].view(len(block), 4, 4, 8)
+                    x_even, x_odd = xs4.view(bm, 4, 2, 2, 8).permute(0, 1, 2, 4, 3).unbind(-1)
+                    x0, x2 = x_even.permute(0, 1, 3, 2).unbind(-1)
+                    x1, x3 = x_odd.permute(0, 1, 3, 2).unbind(-1)
+                    for g in range(4):
+                        word, xq_g = (w0, w1, w2, w3)[g], (x0, x1, x2, x3)[g]
+                        v = _nibble_values(word)
+                        vals = _join(_join(_join(v[0], v[2]), _join(v[1], v[3])),
+                                     _join(_join(v[4], v[6]), _join(v[5], v[7])))
+                        a = vals.permute(0, 4, 3, 1, 2).reshape(bn, 32)
+                        xg = xq_g.reshape(bm, 4, 2, 2, 2).permute(2, 4, 1, 3, 0).reshape(32, bm)
+                        d = a.double() @ xg.double()
+                        sw = torch.exp2(scales[ex, n0:n0 + bn, k0 // 32 + g].double() - 127)
+                        sx = torch.zeros(bm, dtype=torch.float64)
+                        sx[:len(block)] = xs[block, k0 // 32 + g].double() * 64
+                        acc[n0:n0 + bn] += (d * (sw[:, None] * sx[None, :])).float()
+            dense = dequantize_fp4_weight(packed[ex].view(torch.int8), scales[ex].view(torch.float8_e8m0fnu),
+                                          torch.float64)
+            want = xq[block].double() @ dense.t()
+            got = acc[:, :len(block)].t().double()
+            rel = ((got - want).norm() / want.norm()).item()
+            assert rel < 1e-6, f"expert {ex} block at {b0}: rel {rel:.2e}"
+    print("emulate: the kernel's steps give the dense product of every block (fp32 accumulation)")
 
 
 def check_sass(out):
@@ -122,6 +188,8 @@ if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else "layout"
     if what == "layout":
         check_layout()
+    elif what == "emulate":
+        check_emulate()
     elif what == "sass":
         check_sass(sys.argv[2])
     else:
