@@ -3,8 +3,9 @@ cores, every loaded tile multiplied into each row in fp32 FMAs.
 
 At one to eight rows a tensor-core tile pads the rows to 16 or 32 and stages both operands through shared memory;
 here each program loads a [BN, BK] tile of the stored weight (e4m3 with E8M0 tiles of 32 x 32, or bf16/fp16/fp32)
-into registers once and multiplies it by every row, whose activations arrive exactly QDQ'd (or rounded to the
-weight's dtype for dense weights): e4m3 x e4m3 or bf16 x bf16 products are exact in fp32. Each row keeps its own
+into registers once and multiplies it by every row, whose activations are exactly QDQ'd (a single row's inside the
+kernel, more rows' by a launch first; or rounded to the weight's dtype for dense weights): e4m3 x e4m3 or bf16 x
+bf16 products are exact in fp32. Each row keeps its own
 accumulator of the same shape, so its sum is one fixed order (in a thread over each 32-column group, across the
 group's lanes, times the tile's power-of-two scale, over K, then the split partials in split order) whatever the
 call's row count: batch invariant among calls of up to ROWS_MAX_ROWS rows (a DSpark verify equals its one-token
