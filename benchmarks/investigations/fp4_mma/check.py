@@ -2,6 +2,7 @@
 
     python check.py layout          # CPU: the load-time permutation puts each column where the kernel reads it
     python check.py emulate         # CPU: the kernel's steps (splits, joins, permutes, reshapes) in torch
+    python check.py finish          # CPU (interpreter): the launches around it, against torch
     python check.py sass out.sass   # CPU: compile for sm_90 with the Triton 3.6 wheel in /tmp/t36, loop mix
     python check.py gpu             # H200: the kernel against the dequantized product; timing against moe_rows
 """
@@ -118,6 +119,33 @@ def check_emulate():
     print("emulate: the kernel's steps give the dense product of every block (fp32 accumulation)")
 
 
+def check_finish():
+    """finish.py in Triton's interpreter: the up finish (split sums, SwiGLU, h's QDQ at the permuted positions)
+    against torch's SwiGLU and numerics.fp8_act_qdq, the down finish (split sums rounded, placed by pair) exactly."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch.nn.functional as F
+    from finish import down_finish, up_finish
+    from fp4_mma import permute_activations
+    from modeling_deepseek_v41.kernels.numerics import fp8_act_qdq
+    g = torch.Generator().manual_seed(7)
+    splits, rows, inter, d, limit = 3, 5, 256, 384, 10.0
+    gate, up = (torch.randn(splits, rows, inter, generator=g) * 2 for _ in range(2))
+    route = torch.rand(rows, generator=g)
+    pair_of_row = torch.randperm(rows, generator=g).to(torch.int32)
+    h, hs = up_finish(gate, up, route, pair_of_row, limit, torch.bfloat16)
+    gs = (gate[0] + gate[1] + gate[2]).to(torch.bfloat16).float().clamp(max=limit)
+    us = (up[0] + up[1] + up[2]).to(torch.bfloat16).float().clamp(-limit, limit)
+    want = (route[pair_of_row.long()][:, None] * (F.silu(gs) * us)).to(torch.bfloat16)
+    want = permute_activations(fp8_act_qdq(want.float()))
+    got = h.float() * permute_activations(hs.repeat_interleave(32, dim=1))
+    torch.testing.assert_close(got, want, rtol=0.07, atol=1e-3)  # an e4m3 step where silu rounds otherwise
+    assert (got == want).float().mean() > 0.99
+    part = torch.randn(splits, rows, d, generator=g)
+    out = down_finish(part, pair_of_row, torch.bfloat16)
+    assert torch.equal(out[pair_of_row.long()], (part[0] + part[1] + part[2]).to(torch.bfloat16))
+    print("finish: the up finish matches torch's SwiGLU and QDQ at the permuted positions, the down finish exactly")
+
+
 def check_sass(out):
     import subprocess
     import tempfile
@@ -205,6 +233,19 @@ def check_gpu():
         mma_ms = triton.testing.do_bench_cudagraph(mma_moe)
         print(f"  three projections: rows formulation {rows_ms * 1e3:.1f} us (with its QDQ, SwiGLU, schedule), "
               f"the MMA kernel's three launches {mma_ms * 1e3:.1f} us (without them), bytes {3 * roof * 1e3:.1f} us")
+        # end to end: the routed sum through the MMA kernel and its finishing launches against grouped_moe's
+        from finish import mma_moe
+        from modeling_deepseek_v41.kernels.triton.moe import grouped_moe
+        weights = torch.rand(tokens, top_k, device=dev)
+        ref = grouped_moe(x, experts, weights, d1, s1, d3, s3, d2, s2, 10.0)
+        got = mma_moe(x, experts, weights, w1, s1, w3, s3, w2, s2, 10.0)
+        rel = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+        end_ms = triton.testing.do_bench_cudagraph(lambda: mma_moe(x, experts, weights, w1, s1, w3, s3, w2, s2, 10.0))
+        ref_ms = triton.testing.do_bench_cudagraph(lambda: grouped_moe(x, experts, weights, d1, s1, d3, s3, d2, s2,
+                                                                       10.0))
+        print(f"  routed sum: MMA {end_ms * 1e3:.1f} us against grouped_moe {ref_ms * 1e3:.1f} us, rel {rel:.2e} "
+              f"(summation orders differ; a bf16 rounding of h may flip an e4m3 step)")
+        assert rel < 2e-2
 
 
 if __name__ == "__main__":
@@ -213,6 +254,8 @@ if __name__ == "__main__":
         check_layout()
     elif what == "emulate":
         check_emulate()
+    elif what == "finish":
+        check_finish()
     elif what == "sass":
         check_sass(sys.argv[2])
     else:

@@ -1,0 +1,109 @@
+"""The launches around the candidate FP4 MMA kernel (fp4_mma.py): the split sums with the SwiGLU and h's QDQ
+(written in the kernel's permuted order) after the up projections, the split sums rounded to the activation dtype
+after the down projection, and `mma_moe`, the routed experts' sum as `grouped_moe` gives it. Plain Triton, so the
+interpreter tests these on the CPU; the MMA kernel itself needs the GPU."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from modeling_deepseek_v41.kernels.triton.common import cast
+from modeling_deepseek_v41.kernels.triton.linear import _TL_DTYPES
+from modeling_deepseek_v41.kernels.triton.moe import _combine
+from modeling_deepseek_v41.kernels.triton.moe_schedule import moe_schedule
+from modeling_deepseek_v41.kernels.triton.moe_swiglu import swiglu_store
+from modeling_deepseek_v41.kernels.triton.quant import fp8_act_quant
+
+FINISH_BN = 128  # h columns per program: whole 128-column slices, so the permuted positions stay in the tile
+
+
+@triton.jit
+def _slice_position(c):
+    """The position of column c in the kernel's permuted order (fp4_mma.slice_permutation's inverse): within its
+    128-column slice, group g = c // 32 of lane t and nibble i = 4 (j >> 4) + 2 (j & 1) + (j >> 3 & 1), j = c % 32,
+    sits at 32 t + 8 g + i with t = j >> 1 & 3."""
+    j = c % 32
+    i = 4 * (j >> 4) + 2 * (j & 1) + ((j >> 3) & 1)
+    return (c // 128) * 128 + 32 * ((j >> 1) & 3) + 8 * ((c % 128) // 32) + i
+
+
+@triton.jit
+def _sum_splits(part_ptr, offs, mask, splits, stride_split):
+    total = tl.load(part_ptr + offs, mask=mask, other=0.0)
+    for s in range(1, splits):
+        total += tl.load(part_ptr + s * stride_split + offs, mask=mask, other=0.0)
+    return total
+
+
+@triton.jit
+def _up_finish_kernel(gate_ptr, up_ptr, route_ptr, pair_ptr, h_ptr, hs_ptr, rows, N, splits, limit,
+                      BN: tl.constexpr, ROUND_DTYPE: tl.constexpr, HAS_LIMIT: tl.constexpr):
+    """Sorted row r: gate and up summed over the splits in order, the SwiGLU with the reference's roundings and
+    clamps, h's FP8 QDQ per 32 columns: e4m3 values (fp16) at the permuted positions, fp32 scales."""
+    r = tl.program_id(0)
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    n_ok = offs_n < N
+    gate = _sum_splits(gate_ptr, r * N + offs_n, n_ok, splits, rows * N)
+    up = _sum_splits(up_ptr, r * N + offs_n, n_ok, splits, rows * N)
+    one = tl.full([1], 0, tl.int32) + r
+    swiglu_store(gate[:, None], up[:, None], route_ptr, h_ptr, hs_ptr, one, one >= 0, tl.load(pair_ptr + one),
+                 offs_n, _slice_position(offs_n), N, limit, N, N // 32, BN, 1, ROUND_DTYPE, ROUND_DTYPE, HAS_LIMIT,
+                 True, False, True)
+
+
+@triton.jit
+def _down_finish_kernel(part_ptr, pair_ptr, c_ptr, rows, N, splits, BN: tl.constexpr, ROUND_DTYPE: tl.constexpr):
+    """Sorted row r's contribution: the splits summed in order, rounded to the activation dtype, stored at its pair."""
+    r = tl.program_id(0)
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    n_ok = offs_n < N
+    total = _sum_splits(part_ptr, r * N + offs_n, n_ok, splits, rows * N)
+    pair = tl.load(pair_ptr + r).to(tl.int64)
+    tl.store(c_ptr + pair * N + offs_n, cast(cast(total, ROUND_DTYPE).to(tl.float32), c_ptr.dtype.element_ty),
+             mask=n_ok)
+
+
+def up_finish(gate: torch.Tensor, up: torch.Tensor, route: torch.Tensor, pair_of_row: torch.Tensor, limit: float,
+              act_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h's e4m3 values [P, I] in fp16 in the permuted order, their scales [P, I/32]) from the up projections'
+    split partials gate, up [splits, P, I] (sorted rows); route [P] the pairs' routing weights."""
+    splits, rows, n = gate.shape
+    h = torch.empty(rows, n, dtype=torch.float16, device=gate.device)
+    hs = torch.empty(rows, n // 32, dtype=torch.float32, device=gate.device)
+    _up_finish_kernel[(rows, triton.cdiv(n, FINISH_BN))](gate, up, route, pair_of_row, h, hs, rows, n, splits,
+                                                          float(limit), BN=FINISH_BN, ROUND_DTYPE=_TL_DTYPES[act_dtype],
+                                                          HAS_LIMIT=limit > 0)
+    return h, hs
+
+
+def down_finish(part: torch.Tensor, pair_of_row: torch.Tensor, act_dtype: torch.dtype) -> torch.Tensor:
+    """The contributions [pairs, D] (act_dtype, indexed by pair) from the down projection's split partials
+    [splits, P, D] (sorted rows)."""
+    splits, rows, n = part.shape
+    out = torch.empty(rows, n, dtype=act_dtype, device=part.device)
+    _down_finish_kernel[(rows, triton.cdiv(n, FINISH_BN))](part, pair_of_row, out, rows, n, splits, BN=FINISH_BN,
+                                                            ROUND_DTYPE=_TL_DTYPES[act_dtype])
+    return out
+
+
+def mma_moe(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor,
+            w3: torch.Tensor, s3: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, limit: float,
+            shared: torch.Tensor | None = None, k_chunks=(1280, 1152)) -> torch.Tensor:
+    """moe.grouped_moe's result for packed FP4 experts stored permuted (fp4_mma.permute_fp4_words), through the
+    MMA kernel: tokens [T, D], experts and weights [T, k]. GPU only (Gluon)."""
+    from fp4_mma import BM, grouped_fp4_mma, permute_activations
+    t, top_k = experts.shape
+    pair_of_row, block_expert, block_start, block_end, order = moe_schedule(experts, w1.shape[0], BM.value)
+    route = weights.reshape(-1).to(torch.float32).contiguous()
+    codes, xs = fp8_act_quant(tokens, torch.float16)
+    row_token = torch.div(pair_of_row, top_k, rounding_mode="floor").to(torch.int32)
+    blocks = (block_expert, block_start, block_end)
+    xp = permute_activations(codes)
+    gate = grouped_fp4_mma(xp, xs, w1, s1, row_token, *blocks, k_chunks[0])
+    up = grouped_fp4_mma(xp, xs, w3, s3, row_token, *blocks, k_chunks[0])
+    h, hs = up_finish(gate, up, route, pair_of_row, limit, tokens.dtype)
+    rows = torch.arange(h.shape[0], dtype=torch.int32, device=h.device)
+    down = grouped_fp4_mma(h, hs, w2, s2, rows, *blocks, k_chunks[1])
+    return _combine(down_finish(down, pair_of_row, tokens.dtype), order, shared)
