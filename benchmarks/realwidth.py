@@ -409,9 +409,16 @@ def main() -> None:
     parser.add_argument("--pdl", choices=("off", "on", "both"), default="off",
                         help="programmatic dependent launch of the kernels (both: the decode rows without, then with "
                              "it; everything after runs with it)")
+    parser.add_argument("--moe-mma", action="store_true",
+                        help="decode-sized MoE calls through the tensor-core candidate in investigations/fp4_mma "
+                             "(an A/B; its permuted copies hold the experts a second time)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/realwidth.py needs a CUDA GPU.")
+    if args.moe_mma:
+        sys.path.insert(0, str(Path(__file__).resolve().parent / "investigations" / "fp4_mma"))
+        from patch import use_mma_moe
+        use_mma_moe()
     from modeling_deepseek_v41.kernels.triton.launch import use_pdl
     start = time.perf_counter()
     model = build(released_config(args.mode, args.experts, args.engram_rows))

@@ -3,6 +3,7 @@
     python check.py layout          # CPU: the load-time permutation puts each column where the kernel reads it
     python check.py emulate         # CPU: the kernel's steps (splits, joins, permutes, reshapes) in torch
     python check.py finish          # CPU (interpreter): the launches around it, against torch
+    python check.py moe             # CPU (interpreter): mma_moe, the MMA kernel emulated, against grouped_moe
     python check.py sass out.sass   # CPU: compile for sm_90 with the Triton 3.6 wheel in /tmp/t36, loop mix
     python check.py gpu             # H200: the kernel against the dequantized product; timing against moe_rows
 """
@@ -146,6 +147,49 @@ def check_finish():
     print("finish: the up finish matches torch's SwiGLU and QDQ at the permuted positions, the down finish exactly")
 
 
+def _emulated_fp4_mma(x_codes, x_scales, words, scales, row_token, block_expert, block_start, block_end, k_chunk,
+                      bn=128):
+    """grouped_fp4_mma's result computed densely from its permuted operands (one split)."""
+    from fp4_mma import slice_permutation
+    e, n, kw = words.shape
+    k = kw * 8
+    inverse = torch.argsort(slice_permutation(k))  # natural column -> permuted position
+    nib = torch.stack([(words >> (4 * i)) & 15 for i in range(8)], dim=-1).reshape(e, n, k)[..., inverse]
+    table = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+    dense = table[nib.long()] * torch.exp2(scales.view(torch.uint8).float() - 127).repeat_interleave(32, dim=-1)
+    x = x_codes[:, inverse].float() * x_scales.repeat_interleave(32, dim=1)
+    out = torch.zeros(1, row_token.shape[0], n)
+    for b in range(block_expert.shape[0]):
+        for r in range(int(block_start[b]), int(block_end[b])):
+            out[0, r] = x[int(row_token[r])] @ dense[int(block_expert[b])].t()
+    return out
+
+
+def check_moe():
+    """mma_moe's plumbing (schedule, the rows' tokens, the finishing launches, the combine) in the interpreter,
+    the MMA kernel replaced by its dense emulation, against grouped_moe's rows formulation on the same experts."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    import finish
+    from fp4_mma import permute_fp4_words
+    from modeling_deepseek_v41.kernels.triton.moe import grouped_moe
+    finish_mma = __import__("fp4_mma")
+    finish_mma.grouped_fp4_mma = _emulated_fp4_mma
+    g = torch.Generator().manual_seed(11)
+    e, d, inter, tokens, top_k = 6, 256, 128, 3, 2
+    (p1, s1), (p3, s3), (p2, s2) = (random_packed(e, n, k, seed=i) for i, (n, k) in
+                                    enumerate(((inter, d), (inter, d), (d, inter))))
+    x = (torch.randn(tokens, d, generator=g)).to(torch.bfloat16)
+    experts = torch.stack([torch.randperm(e, generator=g)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=g)
+    stacks = [t.view(torch.int8) for t in (p1, p3, p2)]
+    ref = grouped_moe(x, experts, weights, stacks[0], s1, stacks[1], s3, stacks[2], s2, 10.0)
+    got = finish.mma_moe(x, experts, weights, permute_fp4_words(p1), s1, permute_fp4_words(p3), s3,
+                         permute_fp4_words(p2), s2, 10.0)
+    rel = ((got - ref).norm() / ref.norm()).item()
+    assert rel < 1e-2, rel
+    print(f"moe: mma_moe with the kernel emulated matches grouped_moe (rel {rel:.1e}; summation orders differ)")
+
+
 def check_sass(out):
     import subprocess
     import tempfile
@@ -256,6 +300,8 @@ if __name__ == "__main__":
         check_emulate()
     elif what == "finish":
         check_finish()
+    elif what == "moe":
+        check_moe()
     elif what == "sass":
         check_sass(sys.argv[2])
     else:

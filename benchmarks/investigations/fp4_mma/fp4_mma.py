@@ -51,9 +51,16 @@ def permute_fp4_words(packed: torch.Tensor) -> torch.Tensor:
     return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous().view(torch.int32)
 
 
+_ON_DEVICE: dict = {}
+
+
 def permute_activations(x: torch.Tensor) -> torch.Tensor:
-    """[..., K] activations (the e4m3 values in fp16) in the slices' order, as the kernel loads them."""
-    return x.index_select(-1, slice_permutation(x.shape[-1]).to(x.device)).contiguous()
+    """[..., K] activations (the e4m3 values in fp16) in the slices' order, as the kernel loads them (the index
+    kept on the device, so a CUDA graph can record the call)."""
+    key = (x.shape[-1], x.device)
+    if key not in _ON_DEVICE:
+        _ON_DEVICE[key] = slice_permutation(x.shape[-1]).to(x.device)
+    return x.index_select(-1, _ON_DEVICE[key]).contiguous()
 
 
 @gluon.jit
