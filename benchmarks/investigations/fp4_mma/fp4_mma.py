@@ -1,13 +1,14 @@
 """A candidate decode formulation of the grouped FP4 MoE on the tensor cores (Gluon, Triton 3.6): not wired into
 the model, awaiting its first GPU run (see README.md).
 
-Per program: one block of up to 16 sorted rows of one expert, BN weight rows, one split of K. mma_v2 (m16n8k16,
-fp16 in, fp32 accumulators) takes the block's rows as A and the weights as B, so a lane holds, per 32 columns, 8
-values of one weight row: k = (i & 1) + 2t + 8 * (i >> 1 & 1) + 16 * (i >> 2) for nibble i of the row's word t.
-`permute_fp4_words` reorders the packed nibbles within each 32-column group once, at load, so that word t holds
-exactly those; the lane turns it into eight fp16 values (the e2m1 value times 2^-6, exactly) with no data movement
-between lanes. The activations arrive as their e4m3 values in fp16 with fp32 power-of-two scales per 32 columns
-(quant.fp8_act_quant), so every product is exact and each group's fp32 dot is scaled by both scales (and 2^6)."""
+Per program: one block of up to 8 sorted rows of one expert, BN = 128 weight rows, one split of K. mma_v2
+(m16n8k16, fp16 in, fp32 accumulators) takes the weights as A and the block's rows as B, so a lane holds, per 32
+columns, 8 values of each of two weight rows (lane_columns). `permute_fp4_words` reorders the packed nibbles of
+each 128-column slice once, at load, so that a lane's four words of a slice (one per group) are one 16-byte load
+and each holds exactly its fragment; the lane turns a word into eight fp16 values (the e2m1 value times 2^-6,
+exactly) with no data movement between lanes. The activations arrive as their e4m3 values in fp16, permuted the
+same way, with fp32 power-of-two scales per 32 columns (quant.fp8_act_quant), so every product is exact and each
+group's fp32 dot is scaled by both scales (and 2^6)."""
 
 from __future__ import annotations
 
