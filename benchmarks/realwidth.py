@@ -412,13 +412,22 @@ def main() -> None:
     parser.add_argument("--moe-mma", action="store_true",
                         help="decode-sized MoE calls through the tensor-core candidate in investigations/fp4_mma "
                              "(an A/B; its permuted copies hold the experts a second time)")
+    parser.add_argument("--linear-mma", action="store_true",
+                        help="decode-sized FP8 linears through the tensor-core candidate in investigations/fp8_mma "
+                             "(an A/B; its permuted copies hold those weights a second time)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/realwidth.py needs a CUDA GPU.")
+    investigations = Path(__file__).resolve().parent / "investigations"
     if args.moe_mma:
-        sys.path.insert(0, str(Path(__file__).resolve().parent / "investigations" / "fp4_mma"))
+        sys.path.insert(0, str(investigations / "fp4_mma"))
         from patch import use_mma_moe
         use_mma_moe()
+        sys.modules.pop("patch")
+    if args.linear_mma:
+        sys.path.insert(0, str(investigations / "fp8_mma"))
+        from patch import use_mma_linears
+        use_mma_linears()
     from modeling_deepseek_v41.kernels.triton.launch import use_pdl
     start = time.perf_counter()
     model = build(released_config(args.mode, args.experts, args.engram_rows))

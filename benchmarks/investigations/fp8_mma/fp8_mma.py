@@ -1,0 +1,186 @@
+"""A candidate decode formulation of the FP8 linears on the tensor cores (Gluon, Triton 3.6), the companion of
+../fp4_mma: not wired into the model, awaiting its first GPU run (see ../fp4_mma/README.md for the method).
+
+out [M, N] = x [M, K] @ W^T for M <= 8 rows, W e4m3 [N, K] with E8M0 scales per 32 x 32 tile, x FP8-QDQ'd (its
+e4m3 values in fp16, fp32 scales per 32 columns). mma_v2 (m16n8k16) takes the weights as A: a lane holds, per
+32 columns, 8 bytes of each of two weight rows, k = (i & 1) + 2t + 8 (i >> 1 & 1) + 16 (i >> 2) for byte i of
+lane t, so consecutive bytes are k's neighbours and one conversion instruction (cvt.rn.f16x2.e4m3x2) makes each
+fp16 pair of the fragment. `permute_fp8_rows` reorders each 128-column slice's bytes once so that a lane's 32
+bytes of a slice are two 16-byte loads. The split of K is summed in split order by the tile's last program (the
+model's arrive-last scheme), so a row's result does not depend on the other rows: batch invariant up to 8 rows."""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+BM = gl.constexpr(8)
+SLICE = 128
+_SLICE = gl.constexpr(SLICE)
+
+# int32 of four e4m3 bytes -> four fp16 (byte i -> output i): bytes 0-1 and 2-3 each one conversion
+_BYTES_ASM = gl.constexpr("""
+{
+.reg .b16 lo, hi;
+.reg .b32 p, q;
+mov.b32 {lo, hi}, $4;
+cvt.rn.f16x2.e4m3x2 p, lo;
+cvt.rn.f16x2.e4m3x2 q, hi;
+mov.b32 {$0, $1}, p;
+mov.b32 {$2, $3}, q;
+}
+""")
+
+
+def lane_bytes() -> torch.Tensor:
+    """[4, 8]: the group column that byte i of lane t carries (the A fragment of m16n8k16, two k-steps)."""
+    t = torch.arange(4)[:, None]
+    i = torch.arange(8)[None, :]
+    return (i & 1) + 2 * t + 8 * ((i >> 1) & 1) + 16 * (i >> 2)
+
+
+def slice_permutation(k: int) -> torch.Tensor:
+    """[K]: the column that position 32t + 8g + i of each slice holds (group g's byte i of lane t)."""
+    if k % SLICE:
+        raise ValueError(f"K ({k}) must be a multiple of {SLICE}")
+    within = (32 * torch.arange(4)[None, :, None] + lane_bytes()[:, None, :]).reshape(-1)
+    return (torch.arange(0, k, SLICE)[:, None] + within[None, :]).reshape(-1)
+
+
+def permute_fp8_rows(weight: torch.Tensor) -> torch.Tensor:
+    """e4m3 [N, K] -> the same bytes in the slices' order, viewed as int32 [N, K/4]."""
+    index = slice_permutation(weight.shape[-1]).to(weight.device)
+    return weight.view(torch.uint8).index_select(-1, index).contiguous().view(torch.int32)
+
+
+_ON_DEVICE: dict = {}
+
+
+def permute_activations(x: torch.Tensor) -> torch.Tensor:
+    key = (x.shape[-1], x.device)
+    if key not in _ON_DEVICE:
+        _ON_DEVICE[key] = slice_permutation(x.shape[-1]).to(x.device)
+    return x.index_select(-1, _ON_DEVICE[key]).contiguous()
+
+
+@gluon.jit
+def _e8m0(byte):
+    return gl.maximum((byte.to(gl.int32) & 0xFF) << 23, 1 << 22).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _group_dot(acc, w01, w23, xg, sw, sx, A_L: gl.constexpr, MMA: gl.constexpr, BN: gl.constexpr,
+               ASM: gl.constexpr):
+    """acc + (one group's weights [BN, 32] from a lane's two words [BN, 4] . xg [32, BM]) x scales."""
+    v0, v1, v2, v3 = gl.inline_asm_elementwise(ASM, "=h,=h,=h,=h,r", [w01], (gl.float16,) * 4, True, 1)
+    v4, v5, v6, v7 = gl.inline_asm_elementwise(ASM, "=h,=h,=h,=h,r", [w23], (gl.float16,) * 4, True, 1)
+    # [n, t, a, b, c] (byte i = a + 2b + 4c) -> [n, c, b, t, a] = [n, k], k = 16c + 8b + 2t + a
+    values = gl.join(gl.join(gl.join(v0, v1), gl.join(v2, v3)), gl.join(gl.join(v4, v5), gl.join(v6, v7)))
+    values = gl.convert_layout(gl.reshape(gl.permute(values, [0, 4, 3, 1, 2]), [BN, 32]), A_L)
+    d = mma_v2(values, xg, gl.zeros([BN, BM], gl.float32, MMA))
+    return acc + d * (sw[:, None] * sx[None, :])
+
+
+@gluon.jit
+def _fp8_mma_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K, k_chunk, splits,
+                    stride_xm, stride_xsm, stride_wn, stride_sn, stride_om, BN: gl.constexpr, ASM: gl.constexpr):
+    """out[m, n] = sum over k of x[m, k] w[n, k]: this program's BN weight rows and split of K; the tile's last
+    program sums the splits' partials in split order."""
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
+    A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    B_L: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    # [128 rows, 4 t, 4 groups, 2 words]: lane 4 (row % 8) + t holds rows r and r + 8 of its warp's 16-row tile
+    # (and + 64), its 32 bytes of a slice in two 16-byte loads
+    WORDS: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 0, 1], [0, 0, 1, 0], [0, 0, 2, 0], [8, 0, 0, 0], [64, 0, 0, 0]],
+        lane_bases=[[0, 1, 0, 0], [0, 2, 0, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
+        warp_bases=[[16, 0, 0, 0], [32, 0, 0, 0]], block_bases=[], shape=[128, 4, 4, 2])
+    XL: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 4], [0, 0, 1, 0], [0, 0, 2, 0]],
+        lane_bases=[[0, 1, 0, 0], [0, 2, 0, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
+        warp_bases=[[0, 0, 0, 0], [0, 0, 0, 0]], block_bases=[], shape=[8, 4, 4, 8])
+    gl.static_assert(BN == 128, "the words' layout is written for 128 weight rows per program")
+    n0 = gl.program_id(0) * BN
+    pid_s = gl.program_id(1)
+    k_start = pid_s * k_chunk
+    k_stop = gl.minimum(k_start + k_chunk, K)
+    WS: gl.constexpr = gl.SliceLayout(3, WORDS)
+    n_w = gl.minimum(n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, WS))), N - 1)
+    t_w = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, WS)))
+    g_w = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, WS)))
+    h_w = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, WORDS))))
+    w_rows = (w_ptr + n_w[:, None, None, None].to(gl.int64) * stride_wn + 8 * t_w[None, :, None, None]
+              + 2 * g_w[None, None, :, None] + h_w[None, None, None, :])
+    XS: gl.constexpr = gl.SliceLayout(3, XL)
+    r_x = gl.arange(0, BM, layout=gl.SliceLayout(1, gl.SliceLayout(2, XS)))
+    t_x = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, XS)))
+    g_x = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, XS)))
+    i_x = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, XL))))
+    x_rows = (x_ptr + r_x[:, None, None, None].to(gl.int64) * stride_xm + 32 * t_x[None, :, None, None]
+              + 8 * g_x[None, None, :, None] + i_x[None, None, None, :])
+    x_ok = (r_x < M)[:, None, None, None] & (i_x >= 0)[None, None, None, :]
+    n_c = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
+    r_c = gl.arange(0, BM, layout=gl.SliceLayout(0, MMA))
+    s_rows = s_ptr + (gl.minimum(n_c, N - 1) // 32).to(gl.int64) * stride_sn
+    xs_rows = xs_ptr + r_c.to(gl.int64) * stride_xsm
+    acc = gl.zeros([BN, BM], gl.float32, MMA)
+    for k in range(k_start, k_stop, _SLICE):
+        words = gl.load(w_rows + k // 4)  # [BN, 4 lanes, 4 groups, 2 words]
+        lo, hi = gl.split(words)  # bytes 0-3 and 4-7 of each lane's group
+        lo02, lo13 = gl.split(gl.reshape(lo, [BN, 4, 2, 2]))
+        lo0, lo2 = gl.split(lo02)
+        lo1, lo3 = gl.split(lo13)
+        hi02, hi13 = gl.split(gl.reshape(hi, [BN, 4, 2, 2]))
+        hi0, hi2 = gl.split(hi02)
+        hi1, hi3 = gl.split(hi13)
+        xs4 = gl.load(x_rows + k, mask=x_ok, other=0.0)  # [8, 4, 4, 8]
+        x_even, x_odd = gl.split(gl.permute(gl.reshape(xs4, [8, 4, 2, 2, 8]), [0, 1, 2, 4, 3]))
+        x0, x2 = gl.split(gl.permute(x_even, [0, 1, 3, 2]))
+        x1, x3 = gl.split(gl.permute(x_odd, [0, 1, 3, 2]))
+        for g in gl.static_range(4):
+            w01 = lo0 if g == 0 else lo1 if g == 1 else lo2 if g == 2 else lo3
+            w23 = hi0 if g == 0 else hi1 if g == 1 else hi2 if g == 2 else hi3
+            xq = x0 if g == 0 else x1 if g == 1 else x2 if g == 2 else x3
+            xg = gl.convert_layout(gl.reshape(gl.permute(gl.reshape(xq, [8, 4, 2, 2, 2]), [2, 3, 1, 4, 0]),
+                                              [32, BM]), B_L)
+            sw = _e8m0(gl.load(s_rows + k // 32 + g))
+            sx = gl.load(xs_rows + k // 32 + g, mask=r_c < M, other=0.0)
+            acc = _group_dot(acc, w01, w23, xg, sw, sx, A_L, MMA, BN, ASM)
+    offs = r_c[None, :].to(gl.int64) * stride_om + n_c[:, None]
+    ok = (r_c < M)[None, :] & (n_c < N)[:, None]
+    if splits == 1:
+        gl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    else:
+        part = r_c[None, :].to(gl.int64) * N + n_c[:, None]
+        gl.store(part_ptr + pid_s * M * N + part, acc, mask=ok)
+        gl.thread_barrier()
+        ticket = gl.atomic_add(count_ptr + gl.program_id(0), 1, sem="acq_rel", scope="gpu")
+        if ticket == splits - 1:
+            gl.atomic_xchg(count_ptr + gl.program_id(0), 0, sem="relaxed", scope="gpu")
+            total = gl.load(part_ptr + part, mask=ok, other=0.0, cache_modifier=".cg")
+            for s in range(1, splits):
+                total += gl.load(part_ptr + s * M * N + part, mask=ok, other=0.0, cache_modifier=".cg")
+            gl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def fp8_mma_linear(x_codes: torch.Tensor, x_scales: torch.Tensor, words: torch.Tensor, scales: torch.Tensor,
+                   out_dtype: torch.dtype, split_target: int = 528) -> torch.Tensor:
+    """[M, N] = the QDQ'd rows (x_codes [M, K] e4m3 values in fp16 in the slices' order, x_scales [M, K/32]) times
+    the weight (words: permute_fp8_rows of e4m3 [N, K]; scales E8M0 [N/32, K/32]), M <= 8."""
+    from modeling_deepseek_v41.kernels.triton.workspace import split_buffers
+    m, k = x_codes.shape
+    n = words.shape[0]
+    tiles = triton.cdiv(n, 128)
+    slices = k // SLICE
+    per = triton.cdiv(slices, min(slices, max(1, triton.cdiv(split_target, tiles))))
+    splits = triton.cdiv(slices, per)
+    out = torch.empty(m, n, dtype=out_dtype, device=x_codes.device)
+    part, count = split_buffers(splits, (m, n), tiles, x_codes.device)
+    s = scales.view(torch.uint8)
+    _fp8_mma_kernel[(tiles, splits)](x_codes, x_scales, words, s, out, part, count, m, n, k, per * SLICE, splits,
+                                     x_codes.stride(0), x_scales.stride(0), words.stride(0), s.stride(0),
+                                     out.stride(0), BN=128, ASM=_BYTES_ASM, num_warps=4)
+    return out
