@@ -107,9 +107,9 @@ def check_emulate():
                         a = vals.permute(0, 4, 3, 1, 2).reshape(bn, 32)
                         xg = xq_g.reshape(bm, 4, 2, 2, 2).permute(2, 4, 1, 3, 0).reshape(32, bm)
                         d = a.double() @ xg.double()
-                        sw = torch.exp2(scales[ex, n0:n0 + bn, k0 // 32 + g].double() - 127)
+                        sw = torch.exp2(scales[ex, n0:n0 + bn, k0 // 32 + g].double() - 127 + 6)  # _e8m0_x64
                         sx = torch.zeros(bm, dtype=torch.float64)
-                        sx[:len(block)] = xs[block, k0 // 32 + g].double() * 64
+                        sx[:len(block)] = xs[block, k0 // 32 + g].double()
                         acc[n0:n0 + bn] += (d * (sw[:, None] * sx[None, :])).float()
             dense = dequantize_fp4_weight(packed[ex].view(torch.int8), scales[ex].view(torch.float8_e8m0fnu),
                                           torch.float64)
@@ -133,7 +133,7 @@ def check_finish():
     gate, up = (torch.randn(splits, rows, inter, generator=g) * 2 for _ in range(2))
     route = torch.rand(rows, generator=g)
     pair_of_row = torch.randperm(rows, generator=g).to(torch.int32)
-    h, hs = up_finish(gate, up, route, pair_of_row, limit, torch.bfloat16)
+    h, hs = up_finish(torch.cat((gate, up), dim=-1), route, pair_of_row, limit, torch.bfloat16)
     gs = (gate[0] + gate[1] + gate[2]).to(torch.bfloat16).float().clamp(max=limit)
     us = (up[0] + up[1] + up[2]).to(torch.bfloat16).float().clamp(-limit, limit)
     want = (route[pair_of_row.long()][:, None] * (F.silu(gs) * us)).to(torch.bfloat16)
@@ -141,6 +141,11 @@ def check_finish():
     got = h.float() * permute_activations(hs.repeat_interleave(32, dim=1))
     torch.testing.assert_close(got, want, rtol=0.07, atol=1e-3)  # an e4m3 step where silu rounds otherwise
     assert (got == want).float().mean() > 0.99
+    from finish import act_quant_permuted
+    xa = torch.randn(rows, d, generator=g).to(torch.bfloat16)
+    codes, scales = act_quant_permuted(xa)
+    want_q = permute_activations(fp8_act_qdq(xa.float()))
+    assert torch.equal(codes.float() * permute_activations(scales.repeat_interleave(32, dim=1)), want_q)
     part = torch.randn(splits, rows, d, generator=g)
     out = down_finish(part, pair_of_row, torch.bfloat16)
     assert torch.equal(out[pair_of_row.long()], (part[0] + part[1] + part[2]).to(torch.bfloat16))
@@ -158,10 +163,11 @@ def _emulated_fp4_mma(x_codes, x_scales, words, scales, row_token, block_expert,
     table = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
     dense = table[nib.long()] * torch.exp2(scales.view(torch.uint8).float() - 127).repeat_interleave(32, dim=-1)
     x = x_codes[:, inverse].float() * x_scales.repeat_interleave(32, dim=1)
-    out = torch.zeros(1, row_token.shape[0], n)
+    rows = row_token.shape[0] if row_token is not None else x_codes.shape[0]
+    out = torch.zeros(1, rows, n)
     for b in range(block_expert.shape[0]):
         for r in range(int(block_start[b]), int(block_end[b])):
-            out[0, r] = x[int(row_token[r])] @ dense[int(block_expert[b])].t()
+            out[0, r] = x[int(row_token[r]) if row_token is not None else r] @ dense[int(block_expert[b])].t()
     return out
 
 
@@ -183,7 +189,7 @@ def check_moe():
     weights = torch.rand(tokens, top_k, generator=g)
     stacks = [t.view(torch.int8) for t in (p1, p3, p2)]
     ref = grouped_moe(x, experts, weights, stacks[0], s1, stacks[1], s3, stacks[2], s2, 10.0)
-    got = finish.mma_moe(x, experts, weights, permute_fp4_words(p1), s1, permute_fp4_words(p3), s3,
+    got = finish.mma_moe(x, experts, weights, permute_fp4_words(torch.cat((p1, p3), dim=1)), torch.cat((s1, s3), dim=1),
                          permute_fp4_words(p2), s2, 10.0)
     rel = ((got - ref).norm() / ref.norm()).item()
     assert rel < 1e-2, rel
@@ -203,7 +209,7 @@ def check_sass(out):
     names = list(inspect.signature(fn.fn).parameters)
     types = {"x_ptr": "*fp16", "xs_ptr": "*fp32", "w_ptr": "*i32", "s_ptr": "*u8", "out_ptr": "*fp32",
              "row_token_ptr": "*i32", "block_expert_ptr": "*i32", "block_start_ptr": "*i32", "block_end_ptr": "*i32"}
-    const = {"BN": int(os.environ.get("BN", 128)), "WORD_ASM": fp4_mma._FP4_WORD_ASM.value}
+    const = {"BN": int(os.environ.get("BN", 128)), "WORD_ASM": fp4_mma._FP4_WORD_ASM.value, "ROWS_ARE_TOKENS": False}
     sig = {a: ("constexpr" if a in const else types.get(a, "i32")) for a in names}
     div = {(names.index(a),): [["tt.divisibility", 16]] for a in names
            if sig[a] != "constexpr" and (sig[a].startswith("*") or a.startswith("stride") or a in ("N", "K", "k_chunk"))}
@@ -262,12 +268,11 @@ def check_gpu():
         s1, s3, s2 = (t.to(dev) for t in (s1, s3, s2))
         h_codes = permute_activations(torch.randint(-64, 64, (tokens * top_k, inter), device=dev).half())
         h_scales = torch.ones(tokens * top_k, inter // 32, device=dev)
-        pair_token = torch.arange(tokens * top_k, device=dev, dtype=torch.int32)[pair_of_row.long()]
 
         def mma_moe():
             grouped_fp4_mma(xp, xs, w1, s1, row_token, block_expert, block_start, block_end, 1280)
             grouped_fp4_mma(xp, xs, w3, s3, row_token, block_expert, block_start, block_end, 1280)
-            grouped_fp4_mma(h_codes, h_scales, w2, s2, pair_token, block_expert, block_start, block_end, 1152)
+            grouped_fp4_mma(h_codes, h_scales, w2, s2, None, block_expert, block_start, block_end, 1152)
 
         schedule = moe_schedule(experts, e, 16)[:4]
         route = torch.rand(tokens * top_k, device=dev)
@@ -282,9 +287,11 @@ def check_gpu():
         from modeling_deepseek_v41.kernels.triton.moe import grouped_moe
         weights = torch.rand(tokens, top_k, device=dev)
         ref = grouped_moe(x, experts, weights, d1, s1, d3, s3, d2, s2, 10.0)
-        got = mma_moe(x, experts, weights, w1, s1, w3, s3, w2, s2, 10.0)
+        w13 = permute_fp4_words(torch.cat((p1, p3), dim=1).to(dev))
+        s13 = torch.cat((s1, s3), dim=1)
+        got = mma_moe(x, experts, weights, w13, s13, w2, s2, 10.0)
         rel = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
-        end_ms = triton.testing.do_bench_cudagraph(lambda: mma_moe(x, experts, weights, w1, s1, w3, s3, w2, s2, 10.0))
+        end_ms = triton.testing.do_bench_cudagraph(lambda: mma_moe(x, experts, weights, w13, s13, w2, s2, 10.0))
         ref_ms = triton.testing.do_bench_cudagraph(lambda: grouped_moe(x, experts, weights, d1, s1, d3, s3, d2, s2,
                                                                        10.0))
         print(f"  routed sum: MMA {end_ms * 1e3:.1f} us against grouped_moe {ref_ms * 1e3:.1f} us, rel {rel:.2e} "

@@ -9,12 +9,11 @@ import torch
 import triton
 import triton.language as tl
 
-from modeling_deepseek_v41.kernels.triton.common import cast
+from modeling_deepseek_v41.kernels.triton.common import cast, qdq_groups
 from modeling_deepseek_v41.kernels.triton.linear import _TL_DTYPES
 from modeling_deepseek_v41.kernels.triton.moe import _combine
 from modeling_deepseek_v41.kernels.triton.moe_schedule import moe_schedule
 from modeling_deepseek_v41.kernels.triton.moe_swiglu import swiglu_store
-from modeling_deepseek_v41.kernels.triton.quant import fp8_act_quant
 
 FINISH_BN = 128  # h columns per program: whole 128-column slices, so the permuted positions stay in the tile
 
@@ -30,6 +29,34 @@ def _slice_position(c):
 
 
 @triton.jit
+def _act_quant_permuted_kernel(x_ptr, q_ptr, s_ptr, n_groups, groups_per_row, stride_xm, GROUPS: tl.constexpr):
+    """quant._act_quant_kernel's FP8 QDQ per 32 values (e4m3 values in fp16 and fp32 scales), the values stored at
+    their columns' positions in the MMA kernel's permuted order."""
+    g = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)
+    valid = g < n_groups
+    row = g // groups_per_row
+    col = (g % groups_per_row)[:, None] * 32 + tl.arange(0, 32)[None, :]
+    x = tl.load(x_ptr + row[:, None] * stride_xm + col, mask=valid[:, None], other=0.0).to(tl.float32)
+    codes, scale = qdq_groups(tl.reshape(x, [GROUPS * 32]), GROUPS * 32)
+    k = groups_per_row * 32
+    tl.store(q_ptr + row[:, None] * k + _slice_position(col), tl.reshape(codes, [GROUPS, 32]).to(tl.float16),
+             mask=valid[:, None])
+    tl.store(s_ptr + g, scale, mask=valid)
+
+
+def act_quant_permuted(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 values [T, K] in fp16 in the MMA kernel's order, fp32 scales [T, K/32]) of x [T, K]: one launch."""
+    t, k = x.shape
+    codes = torch.empty(t, k, dtype=torch.float16, device=x.device)
+    scales = torch.empty(t, k // 32, dtype=torch.float32, device=x.device)
+    n_groups = t * k // 32
+    groups = 16
+    _act_quant_permuted_kernel[(triton.cdiv(n_groups, groups),)](x, codes, scales, n_groups, k // 32, x.stride(0),
+                                                                 GROUPS=groups)
+    return codes, scales
+
+
+@triton.jit
 def _sum_splits(part_ptr, offs, mask, splits, stride_split):
     total = tl.load(part_ptr + offs, mask=mask, other=0.0)
     for s in range(1, splits):
@@ -38,15 +65,16 @@ def _sum_splits(part_ptr, offs, mask, splits, stride_split):
 
 
 @triton.jit
-def _up_finish_kernel(gate_ptr, up_ptr, route_ptr, pair_ptr, h_ptr, hs_ptr, rows, N, splits, limit,
-                      BN: tl.constexpr, ROUND_DTYPE: tl.constexpr, HAS_LIMIT: tl.constexpr):
-    """Sorted row r: gate and up summed over the splits in order, the SwiGLU with the reference's roundings and
-    clamps, h's FP8 QDQ per 32 columns: e4m3 values (fp16) at the permuted positions, fp32 scales."""
+def _up_finish_kernel(part_ptr, route_ptr, pair_ptr, h_ptr, hs_ptr, rows, N, splits, limit, BN: tl.constexpr,
+                      ROUND_DTYPE: tl.constexpr, HAS_LIMIT: tl.constexpr):
+    """Sorted row r: gate and up (the partials' columns [0, N) and [N, 2N)) summed over the splits in order, the
+    SwiGLU with the reference's roundings and clamps, h's FP8 QDQ per 32 columns: e4m3 values (fp16) at the
+    permuted positions, fp32 scales."""
     r = tl.program_id(0)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     n_ok = offs_n < N
-    gate = _sum_splits(gate_ptr, r * N + offs_n, n_ok, splits, rows * N)
-    up = _sum_splits(up_ptr, r * N + offs_n, n_ok, splits, rows * N)
+    gate = _sum_splits(part_ptr, r * 2 * N + offs_n, n_ok, splits, rows * 2 * N)
+    up = _sum_splits(part_ptr + N, r * 2 * N + offs_n, n_ok, splits, rows * 2 * N)
     one = tl.full([1], 0, tl.int32) + r
     swiglu_store(gate[:, None], up[:, None], route_ptr, h_ptr, hs_ptr, one, one >= 0, tl.load(pair_ptr + one),
                  offs_n, _slice_position(offs_n), N, limit, N, N // 32, BN, 1, ROUND_DTYPE, ROUND_DTYPE, HAS_LIMIT,
@@ -65,16 +93,17 @@ def _down_finish_kernel(part_ptr, pair_ptr, c_ptr, rows, N, splits, BN: tl.const
              mask=n_ok)
 
 
-def up_finish(gate: torch.Tensor, up: torch.Tensor, route: torch.Tensor, pair_of_row: torch.Tensor, limit: float,
+def up_finish(gate_up: torch.Tensor, route: torch.Tensor, pair_of_row: torch.Tensor, limit: float,
               act_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(h's e4m3 values [P, I] in fp16 in the permuted order, their scales [P, I/32]) from the up projections'
-    split partials gate, up [splits, P, I] (sorted rows); route [P] the pairs' routing weights."""
-    splits, rows, n = gate.shape
-    h = torch.empty(rows, n, dtype=torch.float16, device=gate.device)
-    hs = torch.empty(rows, n // 32, dtype=torch.float32, device=gate.device)
-    _up_finish_kernel[(rows, triton.cdiv(n, FINISH_BN))](gate, up, route, pair_of_row, h, hs, rows, n, splits,
-                                                          float(limit), BN=FINISH_BN, ROUND_DTYPE=_TL_DTYPES[act_dtype],
-                                                          HAS_LIMIT=limit > 0)
+    split partials [splits, P, 2I] (gate, then up; sorted rows); route [P] the pairs' routing weights."""
+    splits, rows, n2 = gate_up.shape
+    n = n2 // 2
+    h = torch.empty(rows, n, dtype=torch.float16, device=gate_up.device)
+    hs = torch.empty(rows, n // 32, dtype=torch.float32, device=gate_up.device)
+    _up_finish_kernel[(rows, triton.cdiv(n, FINISH_BN))](gate_up.contiguous(), route, pair_of_row, h, hs, rows, n,
+                                                          splits, float(limit), BN=FINISH_BN,
+                                                          ROUND_DTYPE=_TL_DTYPES[act_dtype], HAS_LIMIT=limit > 0)
     return h, hs
 
 
@@ -88,22 +117,20 @@ def down_finish(part: torch.Tensor, pair_of_row: torch.Tensor, act_dtype: torch.
     return out
 
 
-def mma_moe(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor,
-            w3: torch.Tensor, s3: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, limit: float,
-            shared: torch.Tensor | None = None, k_chunks=(1280, 1152)) -> torch.Tensor:
-    """moe.grouped_moe's result for packed FP4 experts stored permuted (fp4_mma.permute_fp4_words), through the
-    MMA kernel: tokens [T, D], experts and weights [T, k]. GPU only (Gluon)."""
-    from fp4_mma import BM, grouped_fp4_mma, permute_activations
+def mma_moe(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor,
+            w2: torch.Tensor, s2: torch.Tensor, limit: float, shared: torch.Tensor | None = None,
+            k_chunks=(1280, 1152)) -> torch.Tensor:
+    """moe.grouped_moe's result for packed FP4 experts through the MMA kernel, in seven launches: tokens [T, D],
+    experts and weights [T, k]; w13 the permuted words of w1 and w3 stacked along N ([E, 2I, D/8], scales s13
+    [E, 2I, D/32]), w2 permuted ([E, D, I/8]). GPU only (Gluon)."""
+    from fp4_mma import BM, grouped_fp4_mma
     t, top_k = experts.shape
-    pair_of_row, block_expert, block_start, block_end, order = moe_schedule(experts, w1.shape[0], BM.value)
+    pair_of_row, block_expert, block_start, block_end, order = moe_schedule(experts, w13.shape[0], BM.value)
     route = weights.reshape(-1).to(torch.float32).contiguous()
-    codes, xs = fp8_act_quant(tokens, torch.float16)
+    codes, xs = act_quant_permuted(tokens.contiguous())
     row_token = torch.div(pair_of_row, top_k, rounding_mode="floor").to(torch.int32)
     blocks = (block_expert, block_start, block_end)
-    xp = permute_activations(codes)
-    gate = grouped_fp4_mma(xp, xs, w1, s1, row_token, *blocks, k_chunks[0])
-    up = grouped_fp4_mma(xp, xs, w3, s3, row_token, *blocks, k_chunks[0])
-    h, hs = up_finish(gate, up, route, pair_of_row, limit, tokens.dtype)
-    rows = torch.arange(h.shape[0], dtype=torch.int32, device=h.device)
-    down = grouped_fp4_mma(h, hs, w2, s2, rows, *blocks, k_chunks[1])
+    gate_up = grouped_fp4_mma(codes, xs, w13, s13, row_token, *blocks, k_chunks[0])
+    h, hs = up_finish(gate_up, route, pair_of_row, limit, tokens.dtype)
+    down = grouped_fp4_mma(h, hs, w2, s2, None, *blocks, k_chunks[1])
     return _combine(down_finish(down, pair_of_row, tokens.dtype), order, shared)

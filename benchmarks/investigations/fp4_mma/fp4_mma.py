@@ -65,9 +65,10 @@ def permute_activations(x: torch.Tensor) -> torch.Tensor:
 
 
 @gluon.jit
-def _e8m0(byte):
-    """2^(byte - 127) from E8M0 bytes; byte 0 (2^-127, a subnormal: bits 1 << 22) by a max, not a select."""
-    return gl.maximum((byte & 0xFF) << 23, 1 << 22).to(gl.float32, bitcast=True)
+def _e8m0_x64(byte):
+    """2^(byte - 127) x 2^6 from E8M0 bytes (the unpacked nibbles are the e2m1 values x 2^-6): the exponent plus 6,
+    exact for every byte below 250, 0 included (2^-121, a normal number)."""
+    return (((byte & 0xFF) + 6) << 23).to(gl.float32, bitcast=True)
 
 
 @gluon.jit
@@ -87,7 +88,7 @@ def _group_dot(acc, word, xg, sw, sx, A_L: gl.constexpr, MMA: gl.constexpr, BN: 
 @gluon.jit
 def _fp4_mma_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, row_token_ptr, block_expert_ptr, block_start_ptr,
                     block_end_ptr, P, N, K, k_chunk, stride_xm, stride_xsm, stride_we, stride_wn, stride_se,
-                    stride_sn, BN: gl.constexpr, WORD_ASM: gl.constexpr):
+                    stride_sn, BN: gl.constexpr, WORD_ASM: gl.constexpr, ROWS_ARE_TOKENS: gl.constexpr):
     """out[split, r, n] = sum over this split's k of x[token(r), k] w[expert, n, k], fp32, for the block's rows."""
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
@@ -119,7 +120,10 @@ def _fp4_mma_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, row_token_ptr, block_e
             lane_bases=[[0, 1, 0, 0], [0, 2, 0, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
             warp_bases=[[0, 0, 0, 0], [0, 0, 0, 0]], block_bases=[], shape=[8, 4, 4, 8])
         r_x = start + gl.arange(0, BM, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, XL))))
-        tok_x = gl.load(row_token_ptr + r_x, mask=r_x < end, other=0).to(gl.int64)
+        if ROWS_ARE_TOKENS:  # the down projection: sorted row r reads h's row r
+            tok_x = r_x.to(gl.int64)
+        else:
+            tok_x = gl.load(row_token_ptr + r_x, mask=r_x < end, other=0).to(gl.int64)
         t_x = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, XL))))
         g_x = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, XL))))
         i_x = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, XL))))
@@ -128,7 +132,10 @@ def _fp4_mma_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, row_token_ptr, block_e
         x_ok = (r_x < end)[:, None, None, None] & (i_x >= 0)[None, None, None, :]
         n_c = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
         r_c = start + gl.arange(0, BM, layout=gl.SliceLayout(0, MMA))
-        tok_c = gl.load(row_token_ptr + r_c, mask=r_c < end, other=0).to(gl.int64)
+        if ROWS_ARE_TOKENS:
+            tok_c = r_c.to(gl.int64)
+        else:
+            tok_c = gl.load(row_token_ptr + r_c, mask=r_c < end, other=0).to(gl.int64)
         s_rows = s_ptr + expert * stride_se + gl.minimum(n_c, N - 1).to(gl.int64) * stride_sn
         xs_rows = xs_ptr + tok_c * stride_xsm
         acc = gl.zeros([BN, BM], gl.float32, MMA)
@@ -148,7 +155,7 @@ def _fp4_mma_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, row_token_ptr, block_e
                 # [n, t, c, a, b] (i = 4c + 2a + b: k = 16c + 8b + 2t + a) -> [c, b, t, a, n] = [k, n]
                 xg = gl.convert_layout(gl.reshape(gl.permute(gl.reshape(xq, [8, 4, 2, 2, 2]), [2, 4, 1, 3, 0]),
                                                   [32, BM]), B_L)
-                sw = _e8m0(bytes4 >> (8 * g))
+                sw = _e8m0_x64(bytes4 >> (8 * g))
                 sx = gl.load(xs_rows + k // 32 + g, mask=r_c < end, other=0.0)
                 acc = _group_dot(acc, word, xg, sw, sx, A_L, MMA, BN, WORD_ASM)
         out = out_ptr + gl.program_id(2).to(gl.int64) * P * N + r_c[None, :].to(gl.int64) * N + n_c[:, None]
@@ -156,22 +163,23 @@ def _fp4_mma_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, row_token_ptr, block_e
 
 
 def grouped_fp4_mma(x_codes: torch.Tensor, x_scales: torch.Tensor, words: torch.Tensor, scales: torch.Tensor,
-                    row_token: torch.Tensor, block_expert: torch.Tensor, block_start: torch.Tensor,
+                    row_token: torch.Tensor | None, block_expert: torch.Tensor, block_start: torch.Tensor,
                     block_end: torch.Tensor, k_chunk: int, bn: int = 128) -> torch.Tensor:
     """Split partials [splits, P, N] fp32 of the sorted rows' products with their expert's permuted FP4 weight.
-    x_codes [T, K] fp16 e4m3 values in the slices' order (permute_activations), x_scales [T, K/32] fp32 (as
-    quant.fp8_act_quant gives them); words [E, N, K/8] (permute_fp4_words); scales [E, N, K/32] E8M0 bytes;
-    row_token [P] int32 (a sorted row's token); blocks of <= 8 rows of one expert."""
-    x_scales = x_scales * 64.0  # the unpacked nibbles are the e2m1 values x 2^-6 (a QDQ kernel would store this)
+    x_codes [T, K] fp16 e4m3 values in the slices' order (act_quant_permuted), x_scales [T, K/32] fp32; words
+    [E, N, K/8] (permute_fp4_words); scales [E, N, K/32] E8M0 bytes; row_token [P] int32 (a sorted row's token),
+    or None when sorted row r reads x's row r; blocks of <= 8 rows of one expert."""
     e, n, kw = words.shape
     k = kw * 8
-    p = row_token.shape[0]
+    p = row_token.shape[0] if row_token is not None else x_codes.shape[0]
     k_chunk = triton.cdiv(k_chunk, SLICE) * SLICE
     splits = triton.cdiv(k, k_chunk)
     out = torch.empty(splits, p, n, dtype=torch.float32, device=x_codes.device)
     s = scales.view(torch.uint8)
     grid = (block_expert.shape[0], triton.cdiv(n, bn), splits)
-    _fp4_mma_kernel[grid](x_codes, x_scales, words, s, out, row_token, block_expert, block_start, block_end, p, n,
+    tokens = row_token if row_token is not None else block_expert
+    _fp4_mma_kernel[grid](x_codes, x_scales, words, s, out, tokens, block_expert, block_start, block_end, p, n,
                           k, k_chunk, x_codes.stride(0), x_scales.stride(0), words.stride(0), words.stride(1),
-                          s.stride(0), s.stride(1), BN=bn, WORD_ASM=_FP4_WORD_ASM.value, num_warps=4)
+                          s.stride(0), s.stride(1), BN=bn, WORD_ASM=_FP4_WORD_ASM.value,
+                          ROWS_ARE_TOKENS=row_token is None, num_warps=4)
     return out

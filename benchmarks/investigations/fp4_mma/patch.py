@@ -22,9 +22,11 @@ def use_mma_moe(max_tokens: int = 256) -> None:
         if (tokens.shape[0] > max_tokens or s1 is None or w1.dtype not in (torch.int8, torch.uint8)
                 or any(options.get(name) for name in OPTIONS_KEPT)):
             return original(tokens, experts, weights, w1, s1, w3, s3, w2, s2, limit, **options)
-        if w1.data_ptr() not in copies:
-            copies[w1.data_ptr()] = tuple(permute_fp4_words(w) for w in (w1, w3, w2))
-        p1, p3, p2 = copies[w1.data_ptr()]
-        return mma_moe(tokens, experts, weights, p1, s1, p3, s3, p2, s2, limit, shared=options.get("shared"))
+        if w1.data_ptr() not in copies:  # w1 and w3 stacked along N: one launch for both
+            copies[w1.data_ptr()] = (permute_fp4_words(torch.cat((w1, w3), dim=1)),
+                                     torch.cat((s1.view(torch.uint8), s3.view(torch.uint8)), dim=1),
+                                     permute_fp4_words(w2))
+        w13, s13, p2 = copies[w1.data_ptr()]
+        return mma_moe(tokens, experts, weights, w13, s13, p2, s2, limit, shared=options.get("shared"))
 
     kernels.grouped_moe = grouped_moe
