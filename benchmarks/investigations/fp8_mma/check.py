@@ -19,6 +19,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, "..", "..", ".."))
 if len(sys.argv) > 1 and sys.argv[1] == "sass":
     sys.path.insert(0, "/tmp/t36")
+elif len(sys.argv) < 2 or sys.argv[1] != "gpu":
+    os.environ["TRITON_INTERPRET"] = "1"  # the CPU checks run the Triton (not Gluon) launches in the interpreter
 sys.path[:0] = [HERE, ROOT]
 
 import torch  # noqa: E402
@@ -49,7 +51,13 @@ def check_layout():
     x = torch.arange(k, dtype=torch.float32).expand(2, k)
     xp = permute_activations(x)
     assert all(xp[0, 32 * t + 8 * g + i] == 32 * g + cols[t, i] for t in range(4) for g in range(4) for i in range(8))
-    print("layout: every byte and activation is where the kernel's lanes read it")
+    from fp8_mma import act_quant_permuted
+    from modeling_deepseek_v41.kernels import numerics
+    xa = torch.randn(3, k, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    q, sc = act_quant_permuted(xa)
+    assert torch.equal(q.float() * permute_activations(sc.repeat_interleave(32, dim=1)),
+                       permute_activations(numerics.fp8_act_qdq(xa.float())))
+    print("layout: every byte and activation is where the kernel's lanes read it; the permuted QDQ is exact")
 
 
 def check_emulate():
@@ -95,15 +103,18 @@ def check_emulate():
     print(f"emulate: the kernel's steps give the dense product (rel {rel:.1e})")
 
 
-def _emulated_linear(codes, xs, words, scales, out_dtype, split_target=528):
+def _emulated_linear(codes, xs, words, scales, out_dtype, second=None, split_target=528):
     """fp8_mma_linear's result computed densely from its permuted operands."""
     from fp8_mma import slice_permutation
     from modeling_deepseek_v41.kernels import numerics
-    n, kw = words.shape
-    inverse = torch.argsort(slice_permutation(kw * 4))
-    w = words.view(torch.uint8).view(n, kw * 4)[:, inverse].view(torch.float8_e4m3fn)
-    x = codes[:, inverse].float() * xs.repeat_interleave(32, dim=1)
-    return (x @ numerics.dequantize_fp8_weight(w, scales).float().t()).to(out_dtype)
+
+    def one(words, scales):
+        n, kw = words.shape
+        inverse = torch.argsort(slice_permutation(kw * 4))
+        w = words.view(torch.uint8).view(n, kw * 4)[:, inverse].view(torch.float8_e4m3fn)
+        x = codes[:, inverse].float() * xs.repeat_interleave(32, dim=1)
+        return (x @ numerics.dequantize_fp8_weight(w, scales).float().t()).to(out_dtype)
+    return one(words, scales) if second is None else (one(words, scales), one(*second))
 
 
 def check_patch():
@@ -141,7 +152,7 @@ def check_sass(out):
     fn = fp8_mma._fp8_mma_kernel
     names = list(inspect.signature(fn.fn).parameters)
     types = {"x_ptr": "*fp16", "xs_ptr": "*fp32", "w_ptr": "*i32", "s_ptr": "*u8", "out_ptr": "*bf16",
-             "part_ptr": "*fp32", "count_ptr": "*i32"}
+             "part_ptr": "*fp32", "count_ptr": "*i32", "w2_ptr": "*i32", "s2_ptr": "*u8", "out2_ptr": "*bf16"}
     const = {"BN": 128, "ASM": fp8_mma._BYTES_ASM.value}
     sig = {a: ("constexpr" if a in const else types.get(a, "i32")) for a in names}
     div = {(names.index(a),): [["tt.divisibility", 16]] for a in names

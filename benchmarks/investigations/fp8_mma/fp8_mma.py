@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import torch
 import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+from modeling_deepseek_v41.kernels.triton.common import qdq_groups as _qdq
 
 BM = gl.constexpr(8)
 SLICE = 128
@@ -66,6 +69,41 @@ def permute_activations(x: torch.Tensor) -> torch.Tensor:
     return x.index_select(-1, _ON_DEVICE[key]).contiguous()
 
 
+@triton.jit
+def _slice_position(c):
+    """The position of column c in the permuted order (slice_permutation's inverse): group g = c % 128 // 32, and
+    j = c % 32 is byte i = (j & 1) + 2 (j >> 3 & 1) + 4 (j >> 4) of lane t = j >> 1 & 3, at 32 t + 8 g + i."""
+    j = c % 32
+    i = (j & 1) + 2 * ((j >> 3) & 1) + 4 * (j >> 4)
+    return (c // 128) * 128 + 32 * ((j >> 1) & 3) + 8 * ((c % 128) // 32) + i
+
+
+@triton.jit
+def _act_quant_permuted_kernel(x_ptr, q_ptr, s_ptr, n_groups, groups_per_row, stride_xm, GROUPS: tl.constexpr):
+    """The FP8 activation QDQ per 32 values (e4m3 values in fp16, fp32 scales), stored in the permuted order."""
+    g = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)
+    valid = g < n_groups
+    row = g // groups_per_row
+    col = (g % groups_per_row)[:, None] * 32 + tl.arange(0, 32)[None, :]
+    x = tl.load(x_ptr + row[:, None] * stride_xm + col, mask=valid[:, None], other=0.0).to(tl.float32)
+    codes, scale = _qdq(tl.reshape(x, [GROUPS * 32]), GROUPS * 32)
+    tl.store(q_ptr + row[:, None] * (groups_per_row * 32) + _slice_position(col),
+             tl.reshape(codes, [GROUPS, 32]).to(tl.float16), mask=valid[:, None])
+    tl.store(s_ptr + g, scale, mask=valid)
+
+
+def act_quant_permuted(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 values [M, K] in fp16 in the permuted order, fp32 scales [M, K/32]) of x [M, K], in one launch."""
+    m, k = x.shape
+    x = x.contiguous()
+    codes = torch.empty(m, k, dtype=torch.float16, device=x.device)
+    scales = torch.empty(m, k // 32, dtype=torch.float32, device=x.device)
+    n_groups = m * k // 32
+    _act_quant_permuted_kernel[(triton.cdiv(n_groups, 16),)](x, codes, scales, n_groups, k // 32, x.stride(0),
+                                                              GROUPS=16)
+    return codes, scales
+
+
 @gluon.jit
 def _e8m0(byte):
     return gl.maximum((byte.to(gl.int32) & 0xFF) << 23, 1 << 22).to(gl.float32, bitcast=True)
@@ -86,9 +124,11 @@ def _group_dot(acc, w01, w23, xg, sw, sx, A_L: gl.constexpr, MMA: gl.constexpr, 
 
 @gluon.jit
 def _fp8_mma_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K, k_chunk, splits,
-                    stride_xm, stride_xsm, stride_wn, stride_sn, stride_om, BN: gl.constexpr, ASM: gl.constexpr):
+                    stride_xm, stride_xsm, stride_wn, stride_sn, w2_ptr, s2_ptr, out2_ptr, N2, tiles1,
+                    BN: gl.constexpr, ASM: gl.constexpr):
     """out[m, n] = sum over k of x[m, k] w[n, k]: this program's BN weight rows and split of K; the tile's last
-    program sums the splits' partials in split order."""
+    program sums the splits' partials in split order. Tiles past `tiles1` take a second weight w2 [N2, K] (scales
+    s2, output out2, the same strides) on the same rows: a pair of linears in one launch."""
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     B_L: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
@@ -103,7 +143,12 @@ def _fp8_mma_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M
         lane_bases=[[0, 1, 0, 0], [0, 2, 0, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
         warp_bases=[[0, 0, 0, 0], [0, 0, 0, 0]], block_bases=[], shape=[8, 4, 4, 8])
     gl.static_assert(BN == 128, "the words' layout is written for 128 weight rows per program")
-    n0 = gl.program_id(0) * BN
+    tile = gl.program_id(0)
+    part_ptr += (tile >= tiles1).to(gl.int64) * splits * M * N  # the second weight's partials after the first's
+    if tile >= tiles1:
+        w_ptr, s_ptr, out_ptr, N = w2_ptr, s2_ptr, out2_ptr, N2
+        tile -= tiles1
+    n0 = tile * BN
     pid_s = gl.program_id(1)
     k_start = pid_s * k_chunk
     k_stop = gl.minimum(k_start + k_chunk, K)
@@ -149,7 +194,7 @@ def _fp8_mma_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M
             sw = _e8m0(gl.load(s_rows + k // 32 + g))
             sx = gl.load(xs_rows + k // 32 + g, mask=r_c < M, other=0.0)
             acc = _group_dot(acc, w01, w23, xg, sw, sx, A_L, MMA, BN, ASM)
-    offs = r_c[None, :].to(gl.int64) * stride_om + n_c[:, None]
+    offs = r_c[None, :].to(gl.int64) * N + n_c[:, None]  # the outputs are contiguous [M, N]
     ok = (r_c < M)[None, :] & (n_c < N)[:, None]
     if splits == 1:
         gl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
@@ -167,20 +212,26 @@ def _fp8_mma_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M
 
 
 def fp8_mma_linear(x_codes: torch.Tensor, x_scales: torch.Tensor, words: torch.Tensor, scales: torch.Tensor,
-                   out_dtype: torch.dtype, split_target: int = 528) -> torch.Tensor:
+                   out_dtype: torch.dtype, second: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   split_target: int = 528) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """[M, N] = the QDQ'd rows (x_codes [M, K] e4m3 values in fp16 in the slices' order, x_scales [M, K/32]) times
-    the weight (words: permute_fp8_rows of e4m3 [N, K]; scales E8M0 [N/32, K/32]), M <= 8."""
+    the weight (words: permute_fp8_rows of e4m3 [N, K]; scales E8M0 [N/32, K/32]), M <= 8; with second = (words2,
+    scales2) of another weight of the same K, both products from one launch."""
     from modeling_deepseek_v41.kernels.triton.workspace import split_buffers
     m, k = x_codes.shape
     n = words.shape[0]
-    tiles = triton.cdiv(n, 128)
+    w2, s2 = second if second is not None else (words, scales)
+    n2 = w2.shape[0] if second is not None else 0
+    tiles1 = triton.cdiv(n, 128)
+    tiles = tiles1 + triton.cdiv(n2, 128)
     slices = k // SLICE
     per = triton.cdiv(slices, min(slices, max(1, triton.cdiv(split_target, tiles))))
     splits = triton.cdiv(slices, per)
     out = torch.empty(m, n, dtype=out_dtype, device=x_codes.device)
-    part, count = split_buffers(splits, (m, n), tiles, x_codes.device)
-    s = scales.view(torch.uint8)
+    out2 = torch.empty(m, n2, dtype=out_dtype, device=x_codes.device) if second is not None else out
+    part, count = split_buffers(splits, (m, n + n2), tiles, x_codes.device)
+    s, s2 = scales.view(torch.uint8), s2.view(torch.uint8)
     _fp8_mma_kernel[(tiles, splits)](x_codes, x_scales, words, s, out, part, count, m, n, k, per * SLICE, splits,
-                                     x_codes.stride(0), x_scales.stride(0), words.stride(0), s.stride(0),
-                                     out.stride(0), BN=128, ASM=_BYTES_ASM, num_warps=4)
-    return out
+                                     x_codes.stride(0), x_scales.stride(0), words.stride(0), s.stride(0), w2, s2,
+                                     out2, n2, tiles1, BN=128, ASM=_BYTES_ASM, num_warps=4)
+    return (out, out2) if second is not None else out
