@@ -419,6 +419,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/realwidth.py needs a CUDA GPU.")
     investigations = Path(__file__).resolve().parent / "investigations"
+    if args.moe_mma or args.linear_mma:
+        sys.path.insert(0, str(investigations))
     if args.moe_mma:
         sys.path.insert(0, str(investigations / "fp4_mma"))
         from patch import use_mma_moe

@@ -17,7 +17,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, "..", "..", ".."))
 if len(sys.argv) > 1 and sys.argv[1] == "sass":
     sys.path.insert(0, "/tmp/t36")
-sys.path[:0] = [HERE, ROOT]
+sys.path[:0] = [HERE, os.path.dirname(HERE), ROOT]
 
 import torch  # noqa: E402
 
@@ -197,30 +197,12 @@ def check_moe():
 
 
 def check_sass(out):
-    import subprocess
-    import tempfile
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
     import fp4_mma
-    fn = fp4_mma._fp4_mma_kernel
-    names = list(fn.arg_names) if hasattr(fn, "arg_names") else None
-    import inspect
-    names = list(inspect.signature(fn.fn).parameters)
+    from offline_sass import gluon_sass
     types = {"x_ptr": "*fp16", "xs_ptr": "*fp32", "w_ptr": "*i32", "s_ptr": "*u8", "out_ptr": "*fp32",
              "row_token_ptr": "*i32", "block_expert_ptr": "*i32", "block_start_ptr": "*i32", "block_end_ptr": "*i32"}
     const = {"BN": int(os.environ.get("BN", 128)), "WORD_ASM": fp4_mma._FP4_WORD_ASM.value, "ROWS_ARE_TOKENS": False}
-    sig = {a: ("constexpr" if a in const else types.get(a, "i32")) for a in names}
-    div = {(names.index(a),): [["tt.divisibility", 16]] for a in names
-           if sig[a] != "constexpr" and (sig[a].startswith("*") or a.startswith("stride") or a in ("N", "K", "k_chunk"))}
-    kernel = triton.compile(GluonASTSource(fn, sig, const, div), target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": 4})
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(kernel.asm["cubin"])
-    nv = "/tmp/t36/triton/backends/nvidia/bin/"
-    open(out, "w").write(subprocess.run([nv + "nvdisasm", "-c", f.name], capture_output=True, text=True).stdout)
-    usage = subprocess.run([nv + "cuobjdump", "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-    print([line.strip() for line in usage.splitlines() if "REG" in line], "shared", kernel.metadata.shared)
+    gluon_sass(fp4_mma._fp4_mma_kernel, types, const, out)
 
 
 def check_gpu():

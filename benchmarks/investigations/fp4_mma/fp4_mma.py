@@ -18,6 +18,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
+from offline_sass import permuted_columns
+
 # int32 word of packed e2m1 -> 8 fp16 (nibble i -> output i), values x 2^-6: modeling_deepseek_v41's PTX block
 from modeling_deepseek_v41.kernels.triton.common import _FP4_WORD_ASM
 
@@ -52,16 +54,9 @@ def permute_fp4_words(packed: torch.Tensor) -> torch.Tensor:
     return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous().view(torch.int32)
 
 
-_ON_DEVICE: dict = {}
-
-
 def permute_activations(x: torch.Tensor) -> torch.Tensor:
-    """[..., K] activations (the e4m3 values in fp16) in the slices' order, as the kernel loads them (the index
-    kept on the device, so a CUDA graph can record the call)."""
-    key = (x.shape[-1], x.device)
-    if key not in _ON_DEVICE:
-        _ON_DEVICE[key] = slice_permutation(x.shape[-1]).to(x.device)
-    return x.index_select(-1, _ON_DEVICE[key]).contiguous()
+    """[..., K] activations (the e4m3 values in fp16) in the slices' order, as the kernel loads them."""
+    return permuted_columns(x, slice_permutation)
 
 
 @gluon.jit

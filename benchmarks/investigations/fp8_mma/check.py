@@ -9,11 +9,8 @@
 
 from __future__ import annotations
 
-import inspect
 import os
-import subprocess
 import sys
-import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, "..", "..", ".."))
@@ -21,7 +18,7 @@ if len(sys.argv) > 1 and sys.argv[1] == "sass":
     sys.path.insert(0, "/tmp/t36")
 elif len(sys.argv) < 2 or sys.argv[1] != "gpu":
     os.environ["TRITON_INTERPRET"] = "1"  # the CPU checks run the Triton (not Gluon) launches in the interpreter
-sys.path[:0] = [HERE, ROOT]
+sys.path[:0] = [HERE, os.path.dirname(HERE), ROOT]
 
 import torch  # noqa: E402
 
@@ -145,26 +142,11 @@ def check_patch():
 
 
 def check_sass(out):
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
     import fp8_mma
-    fn = fp8_mma._fp8_mma_kernel
-    names = list(inspect.signature(fn.fn).parameters)
+    from offline_sass import gluon_sass
     types = {"x_ptr": "*fp16", "xs_ptr": "*fp32", "w_ptr": "*i32", "s_ptr": "*u8", "out_ptr": "*bf16",
              "part_ptr": "*fp32", "count_ptr": "*i32", "w2_ptr": "*i32", "s2_ptr": "*u8", "out2_ptr": "*bf16"}
-    const = {"BN": 128, "ASM": fp8_mma._BYTES_ASM.value}
-    sig = {a: ("constexpr" if a in const else types.get(a, "i32")) for a in names}
-    div = {(names.index(a),): [["tt.divisibility", 16]] for a in names
-           if sig[a] != "constexpr" and (sig[a].startswith("*") or a.startswith("stride") or a in ("N", "K", "k_chunk"))}
-    kernel = triton.compile(GluonASTSource(fn, sig, const, div), target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": 4})
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(kernel.asm["cubin"])
-    nv = "/tmp/t36/triton/backends/nvidia/bin/"
-    open(out, "w").write(subprocess.run([nv + "nvdisasm", "-c", f.name], capture_output=True, text=True).stdout)
-    usage = subprocess.run([nv + "cuobjdump", "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-    print([line.strip() for line in usage.splitlines() if "REG" in line], "shared", kernel.metadata.shared)
+    gluon_sass(fp8_mma._fp8_mma_kernel, types, {"BN": 128, "ASM": fp8_mma._BYTES_ASM.value}, out)
 
 
 def check_gpu():

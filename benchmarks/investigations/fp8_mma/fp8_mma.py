@@ -18,6 +18,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
+from offline_sass import permuted_columns
+
 from modeling_deepseek_v41.kernels.triton.common import qdq_groups as _qdq
 
 BM = gl.constexpr(8)
@@ -59,14 +61,9 @@ def permute_fp8_rows(weight: torch.Tensor) -> torch.Tensor:
     return weight.view(torch.uint8).index_select(-1, index).contiguous().view(torch.int32)
 
 
-_ON_DEVICE: dict = {}
-
-
 def permute_activations(x: torch.Tensor) -> torch.Tensor:
-    key = (x.shape[-1], x.device)
-    if key not in _ON_DEVICE:
-        _ON_DEVICE[key] = slice_permutation(x.shape[-1]).to(x.device)
-    return x.index_select(-1, _ON_DEVICE[key]).contiguous()
+    """[..., K] activations (the e4m3 values in fp16) in the slices' order, as the kernel loads them."""
+    return permuted_columns(x, slice_permutation)
 
 
 @triton.jit
