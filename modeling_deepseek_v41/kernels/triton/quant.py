@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from ..numerics import WEIGHT_BLOCK
-from .common import abs_max, cast, e2m1_value, pow2_ceil_scale, round_e4m3
+from .common import abs_max, cast, e2m1_value, pow2_ceil_scale, qdq_groups, round_e4m3
 from .launch import launch_options, wait_for_inputs
 
 GROUP = WEIGHT_BLOCK  # the FP8 activation QDQ's groups along a row
@@ -29,10 +29,8 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, n_groups, groups_per_row, stride_xm, 
     col0 = (g % groups_per_row) * 32
     lane = tl.arange(0, 32)[None, :]
     mask = valid[:, None]
-    x = tl.load(x_ptr + (row * stride_xm + col0)[:, None] + lane, mask=mask, other=0.0).to(tl.float32)
-    amax = tl.maximum(abs_max(x, 1), 1e-4)
-    scale = pow2_ceil_scale(amax)
-    q = round_e4m3(tl.minimum(tl.maximum(x / scale[:, None], -448.0), 448.0))
+    x = tl.load(x_ptr + (row * stride_xm + col0)[:, None] + lane, mask=mask, other=0.0)
+    q, scale = qdq_groups(tl.reshape(x, [GROUPS * 32]), GROUPS * 32)  # the one QDQ formula of the kernels
     q_ptrs = q_ptr + (row * stride_qm + col0)[:, None] + lane
     if NIBBLE_MAJOR:
         col = col0[:, None] + lane
