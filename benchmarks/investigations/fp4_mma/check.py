@@ -17,6 +17,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, "..", "..", ".."))
 if len(sys.argv) > 1 and sys.argv[1] == "sass":
     sys.path.insert(0, "/tmp/t36")
+elif len(sys.argv) < 2 or sys.argv[1] != "gpu":
+    os.environ["TRITON_INTERPRET"] = "1"  # the CPU checks run the Triton (not Gluon) launches in the interpreter
 sys.path[:0] = [HERE, os.path.dirname(HERE), ROOT]
 
 import torch  # noqa: E402
@@ -123,7 +125,6 @@ def check_emulate():
 def check_finish():
     """finish.py in Triton's interpreter: the up finish (split sums, SwiGLU, h's QDQ at the permuted positions)
     against torch's SwiGLU and numerics.fp8_act_qdq, the down finish (split sums rounded, placed by pair) exactly."""
-    os.environ["TRITON_INTERPRET"] = "1"
     import torch.nn.functional as F
     from finish import down_finish, up_finish
     from fp4_mma import permute_activations
@@ -141,9 +142,9 @@ def check_finish():
     got = h.float() * permute_activations(hs.repeat_interleave(32, dim=1))
     torch.testing.assert_close(got, want, rtol=0.07, atol=1e-3)  # an e4m3 step where silu rounds otherwise
     assert (got == want).float().mean() > 0.99
-    from finish import act_quant_permuted
+    from shared import act_quant_permuted
     xa = torch.randn(rows, d, generator=g).to(torch.bfloat16)
-    codes, scales = act_quant_permuted(xa)
+    codes, scales = act_quant_permuted(xa, nibbles=True)
     want_q = permute_activations(fp8_act_qdq(xa.float()))
     assert torch.equal(codes.float() * permute_activations(scales.repeat_interleave(32, dim=1)), want_q)
     part = torch.randn(splits, rows, d, generator=g)
@@ -174,12 +175,10 @@ def _emulated_fp4_mma(x_codes, x_scales, words, scales, row_token, block_expert,
 def check_moe():
     """mma_moe's plumbing (schedule, the rows' tokens, the finishing launches, the combine) in the interpreter,
     the MMA kernel replaced by its dense emulation, against grouped_moe's rows formulation on the same experts."""
-    os.environ["TRITON_INTERPRET"] = "1"
     import finish
     from fp4_mma import permute_fp4_words
     from modeling_deepseek_v41.kernels.triton.moe import grouped_moe
-    finish_mma = __import__("fp4_mma")
-    finish_mma.grouped_fp4_mma = _emulated_fp4_mma
+    sys.modules["fp4_mma"].grouped_fp4_mma = _emulated_fp4_mma
     g = torch.Generator().manual_seed(11)
     e, d, inter, tokens, top_k = 6, 256, 128, 3, 2
     (p1, s1), (p3, s3), (p2, s2) = (random_packed(e, n, k, seed=i) for i, (n, k) in
@@ -198,7 +197,7 @@ def check_moe():
 
 def check_sass(out):
     import fp4_mma
-    from offline_sass import gluon_sass
+    from shared import gluon_sass
     types = {"x_ptr": "*fp16", "xs_ptr": "*fp32", "w_ptr": "*i32", "s_ptr": "*u8", "out_ptr": "*fp32",
              "row_token_ptr": "*i32", "block_expert_ptr": "*i32", "block_start_ptr": "*i32", "block_end_ptr": "*i32"}
     const = {"BN": int(os.environ.get("BN", 128)), "WORD_ASM": fp4_mma._FP4_WORD_ASM.value, "ROWS_ARE_TOKENS": False}

@@ -9,51 +9,14 @@ import torch
 import triton
 import triton.language as tl
 
-from modeling_deepseek_v41.kernels.triton.common import cast, qdq_groups
+from modeling_deepseek_v41.kernels.triton.common import cast
 from modeling_deepseek_v41.kernels.triton.linear import _TL_DTYPES
 from modeling_deepseek_v41.kernels.triton.moe import _combine
 from modeling_deepseek_v41.kernels.triton.moe_schedule import moe_schedule
 from modeling_deepseek_v41.kernels.triton.moe_swiglu import swiglu_store
+from shared import act_quant_permuted, slice_position
 
 FINISH_BN = 128  # h columns per program: whole 128-column slices, so the permuted positions stay in the tile
-
-
-@triton.jit
-def _slice_position(c):
-    """The position of column c in the kernel's permuted order (fp4_mma.slice_permutation's inverse): within its
-    128-column slice, group g = c // 32 of lane t and nibble i = 4 (j >> 4) + 2 (j & 1) + (j >> 3 & 1), j = c % 32,
-    sits at 32 t + 8 g + i with t = j >> 1 & 3."""
-    j = c % 32
-    i = 4 * (j >> 4) + 2 * (j & 1) + ((j >> 3) & 1)
-    return (c // 128) * 128 + 32 * ((j >> 1) & 3) + 8 * ((c % 128) // 32) + i
-
-
-@triton.jit
-def _act_quant_permuted_kernel(x_ptr, q_ptr, s_ptr, n_groups, groups_per_row, stride_xm, GROUPS: tl.constexpr):
-    """quant._act_quant_kernel's FP8 QDQ per 32 values (e4m3 values in fp16 and fp32 scales), the values stored at
-    their columns' positions in the MMA kernel's permuted order."""
-    g = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)
-    valid = g < n_groups
-    row = g // groups_per_row
-    col = (g % groups_per_row)[:, None] * 32 + tl.arange(0, 32)[None, :]
-    x = tl.load(x_ptr + row[:, None] * stride_xm + col, mask=valid[:, None], other=0.0).to(tl.float32)
-    codes, scale = qdq_groups(tl.reshape(x, [GROUPS * 32]), GROUPS * 32)
-    k = groups_per_row * 32
-    tl.store(q_ptr + row[:, None] * k + _slice_position(col), tl.reshape(codes, [GROUPS, 32]).to(tl.float16),
-             mask=valid[:, None])
-    tl.store(s_ptr + g, scale, mask=valid)
-
-
-def act_quant_permuted(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 values [T, K] in fp16 in the MMA kernel's order, fp32 scales [T, K/32]) of x [T, K]: one launch."""
-    t, k = x.shape
-    codes = torch.empty(t, k, dtype=torch.float16, device=x.device)
-    scales = torch.empty(t, k // 32, dtype=torch.float32, device=x.device)
-    n_groups = t * k // 32
-    groups = 16
-    _act_quant_permuted_kernel[(triton.cdiv(n_groups, groups),)](x, codes, scales, n_groups, k // 32, x.stride(0),
-                                                                 GROUPS=groups)
-    return codes, scales
 
 
 @triton.jit
@@ -77,7 +40,7 @@ def _up_finish_kernel(part_ptr, route_ptr, pair_ptr, h_ptr, hs_ptr, rows, N, spl
     up = _sum_splits(part_ptr + N, r * 2 * N + offs_n, n_ok, splits, rows * 2 * N)
     one = tl.full([1], 0, tl.int32) + r
     swiglu_store(gate[:, None], up[:, None], route_ptr, h_ptr, hs_ptr, one, one >= 0, tl.load(pair_ptr + one),
-                 offs_n, _slice_position(offs_n), N, limit, N, N // 32, BN, 1, ROUND_DTYPE, ROUND_DTYPE, HAS_LIMIT,
+                 offs_n, slice_position(offs_n, True), N, limit, N, N // 32, BN, 1, ROUND_DTYPE, ROUND_DTYPE, HAS_LIMIT,
                  True, False, True)
 
 
@@ -127,7 +90,7 @@ def mma_moe(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, 
     t, top_k = experts.shape
     pair_of_row, block_expert, block_start, block_end, order = moe_schedule(experts, w13.shape[0], BM.value)
     route = weights.reshape(-1).to(torch.float32).contiguous()
-    codes, xs = act_quant_permuted(tokens.contiguous())
+    codes, xs = act_quant_permuted(tokens, nibbles=True)
     row_token = torch.div(pair_of_row, top_k, rounding_mode="floor").to(torch.int32)
     blocks = (block_expert, block_start, block_end)
     gate_up = grouped_fp4_mma(codes, xs, w13, s13, row_token, *blocks, k_chunks[0])

@@ -18,7 +18,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from offline_sass import permuted_columns
+from shared import permuted_columns, split_groups
 
 # int32 word of packed e2m1 -> 8 fp16 (nibble i -> output i), values x 2^-6: modeling_deepseek_v41's PTX block
 from modeling_deepseek_v41.kernels.triton.common import _FP4_WORD_ASM
@@ -136,14 +136,10 @@ def _fp4_mma_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, row_token_ptr, block_e
         acc = gl.zeros([BN, BM], gl.float32, MMA)
         for k in range(k_start, k_stop, _SLICE):
             words = gl.load(w_rows + k // 8)  # [BN, 4 lanes, 4 groups]
-            even, odd = gl.split(gl.reshape(words, [BN, 4, 2, 2]))  # groups 0 and 2, 1 and 3
-            w0, w2 = gl.split(even)
-            w1, w3 = gl.split(odd)
+            w0, w1, w2, w3 = split_groups(gl.reshape(words, [BN, 4, 2, 2]))
             bytes4 = gl.load((s_rows + k // 32).to(gl.pointer_type(gl.int32), bitcast=True))  # the 4 groups' scales
             xs4 = gl.load(x_rows + k, mask=x_ok, other=0.0)  # [8, 4, 4, 8]
-            x_even, x_odd = gl.split(gl.permute(gl.reshape(xs4, [8, 4, 2, 2, 8]), [0, 1, 2, 4, 3]))
-            x0, x2 = gl.split(gl.permute(x_even, [0, 1, 3, 2]))
-            x1, x3 = gl.split(gl.permute(x_odd, [0, 1, 3, 2]))
+            x0, x1, x2, x3 = split_groups(gl.reshape(gl.permute(xs4, [0, 1, 3, 2]), [8, 4, 8, 2, 2]))
             for g in gl.static_range(4):
                 word = w0 if g == 0 else w1 if g == 1 else w2 if g == 2 else w3
                 xq = x0 if g == 0 else x1 if g == 1 else x2 if g == 2 else x3  # [8 rows, 4 t, 8 i]

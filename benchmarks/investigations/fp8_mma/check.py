@@ -66,7 +66,6 @@ def check_emulate():
     words = permute_fp8_rows(w)
     xp = permute_activations(codes)
     out = torch.zeros(n, bm, dtype=torch.float64)
-    table = w.view(torch.uint8)  # noqa: F841  (the bytes, for reading the conversion below)
     for n0 in range(0, n, bn):
         for k0 in range(0, k, 128):
             wd = words[n0:n0 + bn, k0 // 4:k0 // 4 + 32].view(bn, 4, 4, 2)
@@ -143,7 +142,7 @@ def check_patch():
 
 def check_sass(out):
     import fp8_mma
-    from offline_sass import gluon_sass
+    from shared import gluon_sass
     types = {"x_ptr": "*fp16", "xs_ptr": "*fp32", "w_ptr": "*i32", "s_ptr": "*u8", "out_ptr": "*bf16",
              "part_ptr": "*fp32", "count_ptr": "*i32", "w2_ptr": "*i32", "s2_ptr": "*u8", "out2_ptr": "*bf16"}
     gluon_sass(fp8_mma._fp8_mma_kernel, types, {"BN": 128, "ASM": fp8_mma._BYTES_ASM.value}, out)

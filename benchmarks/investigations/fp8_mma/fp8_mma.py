@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import torch
 import triton
-import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from offline_sass import permuted_columns
+import shared
+from shared import permuted_columns, split_groups
 
-from modeling_deepseek_v41.kernels.triton.common import qdq_groups as _qdq
 
 BM = gl.constexpr(8)
 SLICE = 128
@@ -66,39 +65,9 @@ def permute_activations(x: torch.Tensor) -> torch.Tensor:
     return permuted_columns(x, slice_permutation)
 
 
-@triton.jit
-def _slice_position(c):
-    """The position of column c in the permuted order (slice_permutation's inverse): group g = c % 128 // 32, and
-    j = c % 32 is byte i = (j & 1) + 2 (j >> 3 & 1) + 4 (j >> 4) of lane t = j >> 1 & 3, at 32 t + 8 g + i."""
-    j = c % 32
-    i = (j & 1) + 2 * ((j >> 3) & 1) + 4 * (j >> 4)
-    return (c // 128) * 128 + 32 * ((j >> 1) & 3) + 8 * ((c % 128) // 32) + i
-
-
-@triton.jit
-def _act_quant_permuted_kernel(x_ptr, q_ptr, s_ptr, n_groups, groups_per_row, stride_xm, GROUPS: tl.constexpr):
-    """The FP8 activation QDQ per 32 values (e4m3 values in fp16, fp32 scales), stored in the permuted order."""
-    g = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)
-    valid = g < n_groups
-    row = g // groups_per_row
-    col = (g % groups_per_row)[:, None] * 32 + tl.arange(0, 32)[None, :]
-    x = tl.load(x_ptr + row[:, None] * stride_xm + col, mask=valid[:, None], other=0.0).to(tl.float32)
-    codes, scale = _qdq(tl.reshape(x, [GROUPS * 32]), GROUPS * 32)
-    tl.store(q_ptr + row[:, None] * (groups_per_row * 32) + _slice_position(col),
-             tl.reshape(codes, [GROUPS, 32]).to(tl.float16), mask=valid[:, None])
-    tl.store(s_ptr + g, scale, mask=valid)
-
-
 def act_quant_permuted(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 values [M, K] in fp16 in the permuted order, fp32 scales [M, K/32]) of x [M, K], in one launch."""
-    m, k = x.shape
-    x = x.contiguous()
-    codes = torch.empty(m, k, dtype=torch.float16, device=x.device)
-    scales = torch.empty(m, k // 32, dtype=torch.float32, device=x.device)
-    n_groups = m * k // 32
-    _act_quant_permuted_kernel[(triton.cdiv(n_groups, 16),)](x, codes, scales, n_groups, k // 32, x.stride(0),
-                                                              GROUPS=16)
-    return codes, scales
+    """The rows' FP8 QDQ (e4m3 values in fp16, fp32 scales) in this kernel's permuted order, in one launch."""
+    return shared.act_quant_permuted(x, nibbles=False)
 
 
 @gluon.jit
@@ -172,16 +141,10 @@ def _fp8_mma_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M
     for k in range(k_start, k_stop, _SLICE):
         words = gl.load(w_rows + k // 4)  # [BN, 4 lanes, 4 groups, 2 words]
         lo, hi = gl.split(words)  # bytes 0-3 and 4-7 of each lane's group
-        lo02, lo13 = gl.split(gl.reshape(lo, [BN, 4, 2, 2]))
-        lo0, lo2 = gl.split(lo02)
-        lo1, lo3 = gl.split(lo13)
-        hi02, hi13 = gl.split(gl.reshape(hi, [BN, 4, 2, 2]))
-        hi0, hi2 = gl.split(hi02)
-        hi1, hi3 = gl.split(hi13)
+        lo0, lo1, lo2, lo3 = split_groups(gl.reshape(lo, [BN, 4, 2, 2]))
+        hi0, hi1, hi2, hi3 = split_groups(gl.reshape(hi, [BN, 4, 2, 2]))
         xs4 = gl.load(x_rows + k, mask=x_ok, other=0.0)  # [8, 4, 4, 8]
-        x_even, x_odd = gl.split(gl.permute(gl.reshape(xs4, [8, 4, 2, 2, 8]), [0, 1, 2, 4, 3]))
-        x0, x2 = gl.split(gl.permute(x_even, [0, 1, 3, 2]))
-        x1, x3 = gl.split(gl.permute(x_odd, [0, 1, 3, 2]))
+        x0, x1, x2, x3 = split_groups(gl.reshape(gl.permute(xs4, [0, 1, 3, 2]), [8, 4, 8, 2, 2]))
         for g in gl.static_range(4):
             w01 = lo0 if g == 0 else lo1 if g == 1 else lo2 if g == 2 else lo3
             w23 = hi0 if g == 0 else hi1 if g == 1 else hi2 if g == 2 else hi3
