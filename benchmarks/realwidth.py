@@ -410,11 +410,13 @@ def main() -> None:
                         help="programmatic dependent launch of the kernels (both: the decode rows without, then with "
                              "it; everything after runs with it)")
     parser.add_argument("--moe-mma", action="store_true",
-                        help="decode-sized MoE calls through the tensor-core candidate in investigations/fp4_mma "
-                             "(an A/B; its permuted copies hold the experts a second time)")
+                        help="decode-sized MoE calls through the tensor-core candidate in investigations/fp4_mma (an A/B)")
     parser.add_argument("--linear-mma", action="store_true",
                         help="decode-sized FP8 linears through the tensor-core candidate in investigations/fp8_mma "
-                             "(an A/B; its permuted copies hold those weights a second time)")
+                             "(an A/B)")
+    parser.add_argument("--mma-order", choices=("natural", "permuted"), default="natural",
+                        help="the candidates read the shipped weights (natural) or permuted copies made at their first "
+                             "call (which hold those weights a second time)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/realwidth.py needs a CUDA GPU.")
@@ -424,12 +426,12 @@ def main() -> None:
     if args.moe_mma:
         sys.path.insert(0, str(investigations / "fp4_mma"))
         from patch import use_mma_moe
-        use_mma_moe()
+        use_mma_moe(natural=args.mma_order == "natural")
         sys.modules.pop("patch")
     if args.linear_mma:
         sys.path.insert(0, str(investigations / "fp8_mma"))
         from patch import use_mma_linears
-        use_mma_linears()
+        use_mma_linears(natural=args.mma_order == "natural")
     from modeling_deepseek_v41.kernels.triton.launch import use_pdl
     start = time.perf_counter()
     model = build(released_config(args.mode, args.experts, args.engram_rows))

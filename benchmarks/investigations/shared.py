@@ -1,6 +1,12 @@
 """What the tensor-core investigations share: the offline sm_90 compile of a Gluon kernel (the H200's Triton 3.6
-wheel in /tmp/t36, first on sys.path), the permuted orders' device-cached column index, the activations' QDQ
-written straight into a permuted order, and the split of a slice's four 32-column groups."""
+wheel in /tmp/t36, first on sys.path), the slice orders (which column a lane's value multiplies) and their
+device-cached column index, the activations' QDQ written straight into a slice order, and the split of a slice's
+four 32-column groups.
+
+A kernel's lane t holds, per 32-column group g of a 128-column slice, 8 values i of a weight row; its activations
+are read at position 32 t + 8 g + i of the slice. The order says which column that is: NATURAL, 32 g + 8 t + i,
+the shipped bytes as they are (a lane's words of a slice are not adjacent); FP4_WORDS and FP8_BYTES, the weights
+permuted once at load so that a lane's values of a slice are one or two 16-byte loads."""
 
 from __future__ import annotations
 
@@ -37,58 +43,82 @@ def gluon_sass(fn, types: dict, const: dict, out: str, divisible=("N", "K", "k_c
     print([line.strip() for line in usage.splitlines() if "REG" in line], "shared", kernel.metadata.shared)
 
 
+NATURAL, FP4_WORDS, FP8_BYTES = 0, 1, 2  # the slice orders
+
+
+def lane_columns(order: int) -> torch.Tensor:
+    """[4, 8]: the column within its group that lane t's value i multiplies, in an order."""
+    t = torch.arange(4)[:, None]
+    i = torch.arange(8)[None, :]
+    if order == NATURAL:
+        return 8 * t + i
+    if order == FP4_WORDS:  # nibbles 0 and 2, 1 and 3, ... are k's neighbours as the unpacking pairs them
+        return ((i >> 1) & 1) + 2 * t + 8 * (i & 1) + 16 * (i >> 2)
+    return (i & 1) + 2 * t + 8 * ((i >> 1) & 1) + 16 * (i >> 2)  # FP8_BYTES: one conversion per byte pair
+
+
+def slice_permutation(k: int, order: int) -> torch.Tensor:
+    """[K]: the column that position 32 t + 8 g + i of each 128-column slice holds in an order."""
+    if k % 128:
+        raise ValueError(f"K ({k}) must be a multiple of 128")
+    within = (32 * torch.arange(4)[None, :, None] + lane_columns(order)[:, None, :]).reshape(-1)  # [t, g, i]
+    return (torch.arange(0, k, 128)[:, None] + within[None, :]).reshape(-1)
+
+
 _ON_DEVICE: dict = {}
 
 
-def permuted_columns(x, permutation):
-    """x [..., K] with its columns in permutation(K)'s order, the index kept on x's device (a CUDA graph can record
+def permuted_columns(x, order: int):
+    """x [..., K] with its columns in an order's positions, the index kept on x's device (a CUDA graph can record
     the call)."""
-    key = (permutation, x.shape[-1], x.device)
+    key = (order, x.shape[-1], x.device)
     if key not in _ON_DEVICE:
-        _ON_DEVICE[key] = permutation(x.shape[-1]).to(x.device)
+        _ON_DEVICE[key] = slice_permutation(x.shape[-1], order).to(x.device)
     return x.index_select(-1, _ON_DEVICE[key]).contiguous()
 
 
 @triton.jit
-def slice_position(c, NIBBLES: tl.constexpr):
-    """The position of column c in a permuted order (the inverse of the investigations' slice_permutation): within
-    its 128-column slice, group g = c % 128 // 32 and lane t = j >> 1 & 3 (j = c % 32), at 32 t + 8 g + i, i the
-    value's index in the lane's fragment: for the FP4 words (NIBBLES) 4 (j >> 4) + 2 (j & 1) + (j >> 3 & 1), nibbles
-    0 and 2 being k's neighbours; for the FP8 bytes (j & 1) + 2 (j >> 3 & 1) + 4 (j >> 4)."""
+def slice_position(c, ORDER: tl.constexpr):
+    """The position of column c in an order (the inverse of slice_permutation): group g = c % 128 // 32 of its
+    slice, lane t and value i from j = c % 32 as lane_columns(ORDER) assigns them, at 32 t + 8 g + i."""
     j = c % 32
-    if NIBBLES:
-        i = 4 * (j >> 4) + 2 * (j & 1) + ((j >> 3) & 1)
+    if ORDER == 0:  # NATURAL
+        t = j >> 3
+        i = j & 7
     else:
-        i = (j & 1) + 2 * ((j >> 3) & 1) + 4 * (j >> 4)
-    return (c // 128) * 128 + 32 * ((j >> 1) & 3) + 8 * ((c % 128) // 32) + i
+        t = (j >> 1) & 3
+        if ORDER == 1:  # FP4_WORDS
+            i = 4 * (j >> 4) + 2 * (j & 1) + ((j >> 3) & 1)
+        else:  # FP8_BYTES
+            i = (j & 1) + 2 * ((j >> 3) & 1) + 4 * (j >> 4)
+    return (c // 128) * 128 + 32 * t + 8 * ((c % 128) // 32) + i
 
 
 @triton.jit
 def _act_quant_permuted_kernel(x_ptr, q_ptr, s_ptr, n_groups, groups_per_row, stride_xm, GROUPS: tl.constexpr,
-                               NIBBLES: tl.constexpr):
+                               ORDER: tl.constexpr):
     """The FP8 activation QDQ per 32 values (qdq_groups, as quant._act_quant_kernel: e4m3 values in fp16, fp32
-    scales), the values stored at their columns' positions in the permuted order."""
+    scales), the values stored at their columns' positions in an order."""
     g = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)
     valid = g < n_groups
     row = g // groups_per_row
     col = (g % groups_per_row)[:, None] * 32 + tl.arange(0, 32)[None, :]
     x = tl.load(x_ptr + row[:, None] * stride_xm + col, mask=valid[:, None], other=0.0).to(tl.float32)
     codes, scale = qdq_groups(tl.reshape(x, [GROUPS * 32]), GROUPS * 32)
-    tl.store(q_ptr + row[:, None] * (groups_per_row * 32) + slice_position(col, NIBBLES),
+    tl.store(q_ptr + row[:, None] * (groups_per_row * 32) + slice_position(col, ORDER),
              tl.reshape(codes, [GROUPS, 32]).to(tl.float16), mask=valid[:, None])
     tl.store(s_ptr + g, scale, mask=valid)
 
 
-def act_quant_permuted(x: torch.Tensor, nibbles: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 values [M, K] in fp16 in the permuted order of the FP4 words (nibbles) or of the FP8 bytes, fp32
-    scales [M, K/32]) of x [M, K], in one launch."""
+def act_quant_permuted(x: torch.Tensor, order: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 values [M, K] in fp16 in an order's positions, fp32 scales [M, K/32]) of x [M, K], in one launch."""
     m, k = x.shape
     x = x.contiguous()
     codes = torch.empty(m, k, dtype=torch.float16, device=x.device)
     scales = torch.empty(m, k // 32, dtype=torch.float32, device=x.device)
     n_groups = m * k // 32
     _act_quant_permuted_kernel[(triton.cdiv(n_groups, 16),)](x, codes, scales, n_groups, k // 32, x.stride(0),
-                                                              GROUPS=16, NIBBLES=nibbles)
+                                                              GROUPS=16, ORDER=order)
     return codes, scales
 
 

@@ -5,9 +5,12 @@ out [M, N] = x [M, K] @ W^T for M <= 8 rows, W e4m3 [N, K] with E8M0 scales per 
 e4m3 values in fp16, fp32 scales per 32 columns). mma_v2 (m16n8k16) takes the weights as A: a lane holds, per
 32 columns, 8 bytes of each of two weight rows, k = (i & 1) + 2t + 8 (i >> 1 & 1) + 16 (i >> 2) for byte i of
 lane t, so consecutive bytes are k's neighbours and one conversion instruction (cvt.rn.f16x2.e4m3x2) makes each
-fp16 pair of the fragment. `permute_fp8_rows` reorders each 128-column slice's bytes once so that a lane's 32
-bytes of a slice are two 16-byte loads. The split of K is summed in split order by the tile's last program (the
-model's arrive-last scheme), so a row's result does not depend on the other rows: batch invariant up to 8 rows."""
+fp16 pair of the fragment. Which columns the bytes are is the weights' order (shared.py): NATURAL reads the
+shipped bytes (lane t: columns 8t to 8t + 7 of each group, one 8-byte load per group); FP8_BYTES reads copies
+permuted once (`permute_fp8_rows`) so that a lane's 32 bytes of a slice are adjacent (offline, Triton 3.6 still
+loads them 8 bytes at a time: the same 260 instructions per slice in both orders). The split of K is summed in
+split order by the tile's last program (the model's arrive-last scheme), so a row's result does not depend on the
+other rows: batch invariant up to 8 rows."""
 
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 import shared
-from shared import permuted_columns, split_groups
+from shared import FP8_BYTES, NATURAL, slice_permutation, split_groups
 
 
 BM = gl.constexpr(8)
@@ -39,35 +42,27 @@ mov.b32 {$2, $3}, q;
 """)
 
 
-def lane_bytes() -> torch.Tensor:
-    """[4, 8]: the group column that byte i of lane t carries (the A fragment of m16n8k16, two k-steps)."""
-    t = torch.arange(4)[:, None]
-    i = torch.arange(8)[None, :]
-    return (i & 1) + 2 * t + 8 * ((i >> 1) & 1) + 16 * (i >> 2)
-
-
-def slice_permutation(k: int) -> torch.Tensor:
-    """[K]: the column that position 32t + 8g + i of each slice holds (group g's byte i of lane t)."""
-    if k % SLICE:
-        raise ValueError(f"K ({k}) must be a multiple of {SLICE}")
-    within = (32 * torch.arange(4)[None, :, None] + lane_bytes()[:, None, :]).reshape(-1)
-    return (torch.arange(0, k, SLICE)[:, None] + within[None, :]).reshape(-1)
-
-
 def permute_fp8_rows(weight: torch.Tensor) -> torch.Tensor:
-    """e4m3 [N, K] -> the same bytes in the slices' order, viewed as int32 [N, K/4]."""
-    index = slice_permutation(weight.shape[-1]).to(weight.device)
+    """e4m3 [N, K] -> the same bytes in the FP8_BYTES order (a lane's 32 bytes of a slice adjacent), viewed as
+    int32 [N, K/4]."""
+    index = slice_permutation(weight.shape[-1], FP8_BYTES).to(weight.device)
     return weight.view(torch.uint8).index_select(-1, index).contiguous().view(torch.int32)
 
 
-def permute_activations(x: torch.Tensor) -> torch.Tensor:
-    """[..., K] activations (the e4m3 values in fp16) in the slices' order, as the kernel loads them."""
-    return permuted_columns(x, slice_permutation)
+def natural_fp8_rows(weight: torch.Tensor) -> torch.Tensor:
+    """The shipped e4m3 [N, K] as int32 [N, K/4], no copy (the NATURAL order: lane t's bytes of a group are its
+    columns 8t to 8t + 7)."""
+    return weight.view(torch.int32)
 
 
-def act_quant_permuted(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rows' FP8 QDQ (e4m3 values in fp16, fp32 scales) in this kernel's permuted order, in one launch."""
-    return shared.act_quant_permuted(x, nibbles=False)
+def word_index(t, g, h, natural: bool):
+    """The word of a slice that holds bytes 4h to 4h + 3 of lane t's group g (the kernel's addresses)."""
+    return 2 * t + 8 * g + h if natural else 8 * t + 2 * g + h
+
+
+def act_quant_permuted(x: torch.Tensor, natural: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows' FP8 QDQ (e4m3 values in fp16, fp32 scales) in the weights' order, in one launch."""
+    return shared.act_quant_permuted(x, NATURAL if natural else FP8_BYTES)
 
 
 @gluon.jit
@@ -91,7 +86,7 @@ def _group_dot(acc, w01, w23, xg, sw, sx, A_L: gl.constexpr, MMA: gl.constexpr, 
 @gluon.jit
 def _fp8_mma_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K, k_chunk, splits,
                     stride_xm, stride_xsm, stride_wn, stride_sn, w2_ptr, s2_ptr, out2_ptr, N2, tiles1,
-                    BN: gl.constexpr, ASM: gl.constexpr):
+                    BN: gl.constexpr, ASM: gl.constexpr, NATURAL: gl.constexpr):
     """out[m, n] = sum over k of x[m, k] w[n, k]: this program's BN weight rows and split of K; the tile's last
     program sums the splits' partials in split order. Tiles past `tiles1` take a second weight w2 [N2, K] (scales
     s2, output out2, the same strides) on the same rows: a pair of linears in one launch."""
@@ -123,8 +118,12 @@ def _fp8_mma_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M
     t_w = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, WS)))
     g_w = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, WS)))
     h_w = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, WORDS))))
-    w_rows = (w_ptr + n_w[:, None, None, None].to(gl.int64) * stride_wn + 8 * t_w[None, :, None, None]
-              + 2 * g_w[None, None, :, None] + h_w[None, None, None, :])
+    if NATURAL:  # the shipped bytes: lane t's 8 bytes of group g at byte 32 g + 8 t of the slice
+        w_rows = (w_ptr + n_w[:, None, None, None].to(gl.int64) * stride_wn + 2 * t_w[None, :, None, None]
+                  + 8 * g_w[None, None, :, None] + h_w[None, None, None, :])
+    else:  # permuted: lane t's 32 bytes of the slice adjacent
+        w_rows = (w_ptr + n_w[:, None, None, None].to(gl.int64) * stride_wn + 8 * t_w[None, :, None, None]
+                  + 2 * g_w[None, None, :, None] + h_w[None, None, None, :])
     XS: gl.constexpr = gl.SliceLayout(3, XL)
     r_x = gl.arange(0, BM, layout=gl.SliceLayout(1, gl.SliceLayout(2, XS)))
     t_x = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, XS)))
@@ -173,10 +172,11 @@ def _fp8_mma_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M
 
 def fp8_mma_linear(x_codes: torch.Tensor, x_scales: torch.Tensor, words: torch.Tensor, scales: torch.Tensor,
                    out_dtype: torch.dtype, second: tuple[torch.Tensor, torch.Tensor] | None = None,
-                   split_target: int = 528) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """[M, N] = the QDQ'd rows (x_codes [M, K] e4m3 values in fp16 in the slices' order, x_scales [M, K/32]) times
-    the weight (words: permute_fp8_rows of e4m3 [N, K]; scales E8M0 [N/32, K/32]), M <= 8; with second = (words2,
-    scales2) of another weight of the same K, both products from one launch."""
+                   split_target: int = 528, natural: bool = True) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """[M, N] = the QDQ'd rows (x_codes [M, K] e4m3 values in fp16 in the order's positions, x_scales [M, K/32])
+    times the weight (words: natural_fp8_rows (natural) or permute_fp8_rows of e4m3 [N, K]; scales E8M0 [N/32,
+    K/32]), M <= 8; with second = (words2, scales2) of another weight of the same K, both products from one
+    launch."""
     from modeling_deepseek_v41.kernels.triton.workspace import split_buffers
     m, k = x_codes.shape
     n = words.shape[0]
@@ -193,5 +193,6 @@ def fp8_mma_linear(x_codes: torch.Tensor, x_scales: torch.Tensor, words: torch.T
     s, s2 = scales.view(torch.uint8), s2.view(torch.uint8)
     _fp8_mma_kernel[(tiles, splits)](x_codes, x_scales, words, s, out, part, count, m, n, k, per * SLICE, splits,
                                      x_codes.stride(0), x_scales.stride(0), words.stride(0), s.stride(0), w2, s2,
-                                     out2, n2, tiles1, BN=128, ASM=_BYTES_ASM, num_warps=4)
+                                     out2, n2, tiles1, BN=128, ASM=_BYTES_ASM, NATURAL=natural,
+                                     num_warps=4)
     return (out, out2) if second is not None else out
