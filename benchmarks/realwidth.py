@@ -410,28 +410,22 @@ def main() -> None:
                         help="programmatic dependent launch of the kernels (both: the decode rows without, then with "
                              "it; everything after runs with it)")
     parser.add_argument("--moe-mma", action="store_true",
-                        help="decode-sized MoE calls through the tensor-core candidate in investigations/fp4_mma (an A/B)")
+                        help="decode-sized MoE calls on the tensor cores (kernels.triton.use_mma_moe; off by default "
+                             "until timed)")
     parser.add_argument("--linear-mma", action="store_true",
                         help="decode-sized FP8 linears through the tensor-core candidate in investigations/fp8_mma "
                              "(an A/B)")
-    parser.add_argument("--mma-order", choices=("natural", "permuted"), default="natural",
-                        help="the candidates read the shipped weights (natural) or permuted copies made at their first "
-                             "call (which hold those weights a second time)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/realwidth.py needs a CUDA GPU.")
-    investigations = Path(__file__).resolve().parent / "investigations"
-    if args.moe_mma or args.linear_mma:
-        sys.path.insert(0, str(investigations))
     if args.moe_mma:
-        sys.path.insert(0, str(investigations / "fp4_mma"))
-        from patch import use_mma_moe
-        use_mma_moe(natural=args.mma_order == "natural")
-        sys.modules.pop("patch")
+        from modeling_deepseek_v41.kernels.triton import use_mma_moe
+        use_mma_moe(True)
     if args.linear_mma:
-        sys.path.insert(0, str(investigations / "fp8_mma"))
+        investigations = Path(__file__).resolve().parent / "investigations"
+        sys.path[:0] = [str(investigations), str(investigations / "fp8_mma")]
         from patch import use_mma_linears
-        use_mma_linears(natural=args.mma_order == "natural")
+        use_mma_linears()
     from modeling_deepseek_v41.kernels.triton.launch import use_pdl
     start = time.perf_counter()
     model = build(released_config(args.mode, args.experts, args.engram_rows))

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from modeling_deepseek_v41.kernels.expert_ops import gathered_swiglu
 from modeling_deepseek_v41.kernels.triton import (dense_linear, fp4_linear, fp4_to_fp8_weight, fp8_linear,
                                                   fp8_row_linear, grouped_moe)
+from modeling_deepseek_v41.kernels.triton.moe_mma import gluon_available
 from modeling_deepseek_v41.layers.linear import DeepseekV41Linear
 from realwidth import timed_ms
 
@@ -159,10 +160,14 @@ def bench_moe():
                  ("bf16", dense, 3 * inter * d * 2)]
         if t in (1, 64):
             modes.append(("fp4 fp8-dot", fp4, 3 * inter * d * (0.5 + 1 / 32)))
+        if gluon_available():  # the tensor-core decode (moe_mma.py)
+            modes.append(("fp4 mma", fp4, 3 * inter * d * (0.5 + 1 / 32)))
         for mode, stacks, per_expert in modes:
-            calls = [lambda r=r, st=stacks, mode=mode: grouped_moe(
-                tokens, r, weights, *st, limit=10.0, fp8_experts=mode == "fp8re", fp8_dot="fp8-dot" in mode,
-                grouped_gemm=False) for r in routes]  # the grouped GEMM reads counts back: no graph
+            # the grouped GEMM reads counts back: no graph
+            formulation = {"mma": True} if mode == "fp4 mma" else {"grouped_gemm": False}
+            calls = [lambda r=r, st=stacks, mode=mode, f=formulation: grouped_moe(
+                tokens, r, weights, *st, limit=10.0, fp8_experts=mode == "fp8re", fp8_dot="fp8-dot" in mode, **f)
+                for r in routes]
             results[mode] = (graph_ms(calls), touched * per_expert)
         extra = ", ".join(f"{m} {ms * 1e3:.1f} us ({b / HBM * 1e6:.1f} roof)" for m, (ms, b) in results.items()
                           if m != "fp4")

@@ -11,6 +11,7 @@ permuted once at load so that a lane's values of a slice are one or two 16-byte 
 from __future__ import annotations
 
 import inspect
+import os
 import subprocess
 import tempfile
 
@@ -22,7 +23,7 @@ from triton.experimental.gluon import language as gl
 
 from modeling_deepseek_v41.kernels.triton.common import qdq_groups
 
-NV = "/tmp/t36/triton/backends/nvidia/bin/"
+NV = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin") + "/"
 
 
 def gluon_sass(fn, types: dict, const: dict, out: str, divisible=("N", "K", "k_chunk"), num_warps: int = 4) -> None:

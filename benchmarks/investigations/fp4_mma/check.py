@@ -2,10 +2,9 @@
 
     python check.py layout          # CPU: the load-time permutation puts each column where the kernel reads it
     python check.py emulate         # CPU: the kernel's steps (splits, joins, permutes, reshapes) in torch
-    python check.py finish          # CPU (interpreter): the launches around it, against torch
-    python check.py moe             # CPU (interpreter): mma_moe, the MMA kernel emulated, against grouped_moe
     python check.py sass out.sass   # CPU: compile for sm_90 with the Triton 3.6 wheel in /tmp/t36, loop mix
-    python check.py gpu             # H200: the kernel against the dequantized product; timing against moe_rows
+    python check.py gpu             # GPU: both orders against the dequantized product, their times; the rows
+                                    # formulation and the package's tensor-core MoE (moe_mma.py) beside them
 """
 
 from __future__ import annotations
@@ -24,10 +23,10 @@ sys.path[:0] = [HERE, os.path.dirname(HERE), ROOT]
 import torch  # noqa: E402
 
 
-def random_packed(e, n, k, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    packed = torch.randint(0, 256, (e, n, k // 2), generator=g, dtype=torch.uint8)
-    scales = torch.randint(118, 128, (e, n, k // 32), generator=g, dtype=torch.uint8)
+def random_packed(e, n, k, seed=0, device="cpu"):
+    g = torch.Generator(device).manual_seed(seed)
+    packed = torch.randint(0, 256, (e, n, k // 2), generator=g, dtype=torch.uint8, device=device)
+    scales = torch.randint(118, 128, (e, n, k // 32), generator=g, dtype=torch.uint8, device=device)
     return packed, scales
 
 
@@ -139,86 +138,6 @@ def _emulate(natural):
           "block (fp32 accumulation)")
 
 
-def check_finish():
-    """finish.py in Triton's interpreter: the up finish (split sums, SwiGLU, h's QDQ at the permuted positions)
-    against torch's SwiGLU and numerics.fp8_act_qdq, the down finish (split sums rounded, placed by pair) exactly."""
-    import torch.nn.functional as F
-    from finish import down_finish, up_finish
-    from modeling_deepseek_v41.kernels.numerics import fp8_act_qdq
-    from shared import act_quant_permuted, permuted_columns
-    g = torch.Generator().manual_seed(7)
-    splits, rows, inter, d, limit = 3, 5, 256, 384, 10.0
-    gate, up = (torch.randn(splits, rows, inter, generator=g) * 2 for _ in range(2))
-    route = torch.rand(rows, generator=g)
-    pair_of_row = torch.randperm(rows, generator=g).to(torch.int32)
-    gs = (gate[0] + gate[1] + gate[2]).to(torch.bfloat16).float().clamp(max=limit)
-    us = (up[0] + up[1] + up[2]).to(torch.bfloat16).float().clamp(-limit, limit)
-    swiglu = (route[pair_of_row.long()][:, None] * (F.silu(gs) * us)).to(torch.bfloat16)
-    xa = torch.randn(rows, d, generator=g).to(torch.bfloat16)
-    for natural in ORDERS:
-        order = _order(natural)
-        h, hs = up_finish(torch.cat((gate, up), dim=-1), route, pair_of_row, limit, torch.bfloat16, order)
-        want = permuted_columns(fp8_act_qdq(swiglu.float()), order)
-        got = h.float() * permuted_columns(hs.repeat_interleave(32, dim=1), order)
-        torch.testing.assert_close(got, want, rtol=0.07, atol=1e-3)  # an e4m3 step where silu rounds otherwise
-        assert (got == want).float().mean() > 0.99
-        codes, scales = act_quant_permuted(xa, order)
-        want_q = permuted_columns(fp8_act_qdq(xa.float()), order)
-        assert torch.equal(codes.float() * permuted_columns(scales.repeat_interleave(32, dim=1), order), want_q)
-    part = torch.randn(splits, rows, d, generator=g)
-    out = down_finish(part, pair_of_row, torch.bfloat16)
-    assert torch.equal(out[pair_of_row.long()], (part[0] + part[1] + part[2]).to(torch.bfloat16))
-    print("finish: the up finish matches torch's SwiGLU and QDQ at both orders' positions, the down finish exactly")
-
-
-def _emulated_fp4_mma(x_codes, x_scales, words, scales, row_token, block_expert, block_start, block_end, k_chunk,
-                      second=None, natural=True, bn=128):
-    """grouped_fp4_mma's result computed densely from its operands in either order (one split)."""
-    from shared import slice_permutation
-    if second is not None:
-        return torch.cat([_emulated_fp4_mma(x_codes, x_scales, w, s, row_token, block_expert, block_start, block_end,
-                                            k_chunk, natural=natural) for w, s in ((words, scales), second)], dim=-1)
-    e, n, kw = words.shape
-    k = kw * 8
-    inverse = torch.argsort(slice_permutation(k, _order(natural)))  # column -> its position
-    nib = torch.stack([(words >> (4 * i)) & 15 for i in range(8)], dim=-1).reshape(e, n, k)
-    nib = nib if natural else nib[..., inverse]
-    table = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
-    dense = table[nib.long()] * torch.exp2(scales.view(torch.uint8).float() - 127).repeat_interleave(32, dim=-1)
-    x = x_codes[:, inverse].float() * x_scales.repeat_interleave(32, dim=1)
-    rows = row_token.shape[0] if row_token is not None else x_codes.shape[0]
-    out = torch.zeros(1, rows, n)
-    for b in range(block_expert.shape[0]):
-        for r in range(int(block_start[b]), int(block_end[b])):
-            out[0, r] = x[int(row_token[r]) if row_token is not None else r] @ dense[int(block_expert[b])].t()
-    return out
-
-
-def check_moe():
-    """mma_moe's plumbing (schedule, the rows' tokens, the finishing launches, the combine) in the interpreter,
-    the MMA kernel replaced by its dense emulation, against grouped_moe's rows formulation on the same experts."""
-    import finish
-    import fp4_mma
-    from modeling_deepseek_v41.kernels.triton.moe import grouped_moe
-    fp4_mma.grouped_fp4_mma = _emulated_fp4_mma
-    g = torch.Generator().manual_seed(11)
-    e, d, inter, tokens, top_k = 6, 256, 128, 3, 2
-    (p1, s1), (p3, s3), (p2, s2) = (random_packed(e, n, k, seed=i) for i, (n, k) in
-                                    enumerate(((inter, d), (inter, d), (d, inter))))
-    x = (torch.randn(tokens, d, generator=g)).to(torch.bfloat16)
-    experts = torch.stack([torch.randperm(e, generator=g)[:top_k] for _ in range(tokens)])
-    weights = torch.rand(tokens, top_k, generator=g)
-    stacks = [t.view(torch.int8) for t in (p1, p3, p2)]
-    ref = grouped_moe(x, experts, weights, stacks[0], s1, stacks[1], s3, stacks[2], s2, 10.0)
-    for natural in ORDERS:
-        got = finish.mma_moe(x, experts, weights, _words(p1, natural), s1, _words(p3, natural), s3, _words(p2, natural),
-                             s2, 10.0, natural=natural)
-        rel = ((got - ref).norm() / ref.norm()).item()
-        assert rel < 1e-2, rel
-        print(f"moe ({'natural' if natural else 'permuted'}): mma_moe with the kernel emulated matches grouped_moe "
-              f"(rel {rel:.1e}; summation orders differ)")
-
-
 def check_sass(out):
     import fp4_mma
     from shared import gluon_sass
@@ -232,19 +151,16 @@ def check_sass(out):
 
 def check_gpu():
     import triton
-    from finish import mma_moe
     from fp4_mma import BM, grouped_fp4_mma
     from modeling_deepseek_v41.kernels.numerics import dequantize_fp4_weight, fp8_act_qdq
     from modeling_deepseek_v41.kernels.triton.moe import grouped_moe
-    from modeling_deepseek_v41.kernels.triton.moe_rows import rows_moe
     from modeling_deepseek_v41.kernels.triton.moe_schedule import moe_schedule
     from shared import act_quant_permuted
     dev = "cuda"
     torch.manual_seed(0)
     for e, n, k, tokens, top_k in ((8, 2304, 5120, 1, 6), (32, 2304, 5120, 6, 6), (32, 2304, 5120, 32, 6),
                                    (384, 2304, 5120, 32, 6)):
-        packed, scales = random_packed(e, n, k, seed=e + tokens)
-        packed, scales = packed.to(dev), scales.to(dev)
+        packed, scales = random_packed(e, n, k, seed=e + tokens, device=dev)
         x = torch.randn(tokens, k, device=dev, dtype=torch.bfloat16)
         experts = torch.rand(tokens, e, device=dev).topk(top_k, dim=-1).indices
         pair_of_row, block_expert, block_start, block_end, _ = moe_schedule(experts, e, BM.value)
@@ -270,41 +186,18 @@ def check_gpu():
             line += f"; {'natural' if natural else 'permuted'} {us:.1f} us (rel {rel:.1e})"
             assert rel < 1e-5, line
         print(line, flush=True)
-        # the whole routed MoE: the rows formulation's three projections, the MMA kernel's (w1 and w3 in one
-        # launch), and end to end (QDQ, SwiGLU, schedule and combine included) against grouped_moe
-        inter, d = n, k
-        (p1, s1), (p3, s3) = random_packed(e, inter, d, seed=1), random_packed(e, inter, d, seed=2)
-        p2, s2 = random_packed(e, d, inter, seed=5)
-        d1, d3, d2 = (t.to(dev).view(torch.int8) for t in (p1, p3, p2))
-        s1, s3, s2 = (t.to(dev) for t in (s1, s3, s2))
-        schedule = moe_schedule(experts, e, 16)[:4]
-        route = torch.rand(tokens * top_k, device=dev)
-        rows_us = triton.testing.do_bench_cudagraph(lambda: rows_moe(
-            x, route, schedule, d1, s1, d3, s3, d2, s2, 10.0, top_k, ieee=False)) * 1e3
+        # the whole routed MoE: the rows formulation against the package's tensor-core formulation (which runs
+        # this kernel's natural order), the same routing
+        stacks = []
+        for rows_, cols, seed in ((n, k, 1), (n, k, 2), (k, n, 5)):  # w1, w3 [E, I, D/2], w2 [E, D, I/2]
+            w, sc = random_packed(e, rows_, cols, seed=seed, device=dev)
+            stacks += [w.view(torch.int8), sc]
         weights = torch.rand(tokens, top_k, device=dev)
-        ref = grouped_moe(x, experts, weights, d1, s1, d3, s3, d2, s2, 10.0)
-        ref_us = triton.testing.do_bench_cudagraph(lambda: grouped_moe(x, experts, weights, d1, s1, d3, s3, d2, s2,
-                                                                       10.0)) * 1e3
-        line = (f"  routed sum: rows formulation {rows_us:.1f} us, grouped_moe {ref_us:.1f} us, bytes "
-                f"{3 * roof:.1f} us")
-        for natural in ORDERS:
-            w1, w3, w2 = (_words(t, natural) for t in (d1, d3, d2))
-            xp, xs = act_quant_permuted(x, _order(natural))
-            h = torch.randint(-64, 64, (pairs, inter), device=dev).half()
-            hs = torch.ones(pairs, inter // 32, device=dev)
-
-            def projections():
-                grouped_fp4_mma(xp, xs, w1, s1, row_token, *blocks, 1280, second=(w3, s3), natural=natural)
-                grouped_fp4_mma(h, hs, w2, s2, None, *blocks, 1152, natural=natural)
-
-            proj_us = triton.testing.do_bench_cudagraph(projections) * 1e3
-            got = mma_moe(x, experts, weights, w1, s1, w3, s3, w2, s2, 10.0, natural=natural)
-            rel = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
-            end_us = triton.testing.do_bench_cudagraph(lambda: mma_moe(x, experts, weights, w1, s1, w3, s3, w2, s2,
-                                                                       10.0, natural=natural)) * 1e3
-            line += (f"; MMA {'natural' if natural else 'permuted'}: projections {proj_us:.1f} us, end to end "
-                     f"{end_us:.1f} us (rel {rel:.1e})")
-            assert rel < 2e-2, line  # summation orders differ; a bf16 rounding of h may flip an e4m3 step
+        line = f"  routed sum: bytes {3 * roof:.1f} us"
+        for name, flag in (("rows", {"rows": True}), ("moe_mma", {"mma": True})):
+            us = triton.testing.do_bench_cudagraph(lambda: grouped_moe(x, experts, weights, *stacks, 10.0,
+                                                                       **flag)) * 1e3
+            line += f"; {name} {us:.1f} us"
         print(line, flush=True)
 
 
@@ -314,10 +207,6 @@ if __name__ == "__main__":
         check_layout()
     elif what == "emulate":
         check_emulate()
-    elif what == "finish":
-        check_finish()
-    elif what == "moe":
-        check_moe()
     elif what == "sass":
         check_sass(sys.argv[2])
     else:

@@ -280,6 +280,14 @@ def dot_k_range(acc, w_ptr, s_ptr, x_ptr, xs_ptr, offs_n, rows, row_mask, k_star
     return acc
 
 
+@triton.jit
+def mma_position(c):
+    """Where the tensor-core decode kernels (fp4_mma.py, fp8_mma.py) read activation column c: within its
+    128-column slice, group g = c % 128 // 32 holds lanes t = c % 32 // 8 of 8 values each, read at 32 t + 8 g + i
+    (i = c % 8), so that a lane's values of a slice are adjacent while it reads the weights' columns as shipped."""
+    return (c // 128) * 128 + 32 * ((c % 32) // 8) + 8 * ((c % 128) // 32) + c % 8
+
+
 # one int32 word of packed e2m1 (element i in nibble i) -> its 8 values x 2^-6 as fp16: each nibble s|e1 e0|m
 # becomes the e4m3 byte s|0 0 e1 e0|m 0 0 (integer operations on 4 nibbles at a time), then the hardware's
 # e4m3x2 -> f16x2 conversion; outputs in element order

@@ -24,6 +24,8 @@ from .common import FMT_DENSE, FMT_FP4_ROW, FMT_FP8_ROW, FP4_ROW, cast, dot_k_ra
 from .fp4_dot import fp4_scaled_dot, slice_width
 from .linear import _TL_DTYPES, dot_dtype_for, launch_tile
 from .moe_grouped_gemm import grouped_gemm_moe, grouped_gemm_pays
+from .mma_choice import mma_moe_enabled
+from .moe_mma import MMA_BLOCK_ROWS, mma_moe
 from .moe_rows import ROWS_TILE, rows_moe, rows_per_expert
 from .moe_schedule import moe_schedule
 from .moe_swiglu import swiglu_store
@@ -195,7 +197,7 @@ def grouped_moe(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
                 w2: torch.Tensor, s2: torch.Tensor | None, limit: float, fp8_experts: bool = False,
                 fp8_dot: bool = False, tile: dict | None = None, k_chunks: dict | None = None,
                 f16_slices: bool | None = None, rows: bool | None = None, shared: torch.Tensor | None = None,
-                grouped_gemm: bool | None = None) -> torch.Tensor:
+                grouped_gemm: bool | None = None, mma: bool | None = None) -> torch.Tensor:
     """The routed experts' sum [T, D] in fp32; with `shared` (the shared expert's output [T, D]) the MoE's output:
     that sum plus `shared`, in shared's dtype (the reference's order: routed sum, shared expert, cast).
 
@@ -216,6 +218,9 @@ def grouped_moe(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
     activations and h as fp16 values with their scales, each slice's dot rescaled into the accumulator).
     grouped_gemm (default: packed FP4 experts and bf16 tokens past the decode regime where moe_grouped_gemm's
     grouped_gemm_pays): the experts dequantized to bf16 once and torch's grouped GEMM, the same exact numbers.
+    mma (default: with mma_choice.use_mma_moe on, packed FP4 experts on CUDA up to MOE_DECODE_MAX_TOKENS tokens, no
+    other formulation asked for): the products on the tensor cores in blocks of up to 8 rows of one expert
+    (moe_mma.py, fp4_mma.py), the rows formulation's numbers up to fp32 summation order, batch invariant.
     `tile`/`k_chunks` override the regime's tiling and decode splits (benchmarks only)."""
     if tokens.dim() != 2 or experts.dim() != 2 or experts.shape[0] != tokens.shape[0]:
         raise ValueError(f"grouped_moe takes tokens [T, D] and experts [T, k]; got {tuple(tokens.shape)} and "
@@ -238,12 +243,22 @@ def grouped_moe(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
         raise ValueError(f"FP4 experts need hidden ({d}) and intermediate ({inter}) sizes divisible by 32")
     decode = t <= MOE_DECODE_MAX_TOKENS
     fp8_dot = quantized and fp8_dot
+    forced = (fp8_dot, f16_slices is not None, rows is not None, grouped_gemm is not None, tile, k_chunks)
+    if mma is None:
+        mma = (mma_moe_enabled() and tokens.is_cuda and fmt == FMT_FP4_ROW and decode and not any(forced)
+               and d % 128 == 0 and inter % 128 == 0)
+    elif mma and (fmt != FMT_FP4_ROW or any(forced)):
+        raise ValueError("mma takes packed FP4 experts and excludes the other formulations and tilings")
+    route = weights.reshape(-1).to(torch.float32).contiguous()
+    if mma:
+        *schedule, order = moe_schedule(experts, n_experts, MMA_BLOCK_ROWS)
+        contributions = mma_moe(tokens.contiguous(), route, schedule, w1, s1, w3, s3, w2, s2, limit, top_k)
+        return _combine(contributions, order, shared)
     if rows is None:
         rows = (t <= rows_token_limit(top_k, n_experts) and fmt == FMT_FP4_ROW and not fp8_dot
                 and f16_slices is None)
     elif rows and (fmt != FMT_FP4_ROW or fp8_dot or f16_slices):
         raise ValueError("rows takes packed FP4 experts and excludes fp8_dot and f16_slices")
-    route = weights.reshape(-1).to(torch.float32).contiguous()
     if rows:
         tile = tile or ROWS_TILE
         *schedule, order = moe_schedule(experts, n_experts, tile["BM"])

@@ -8,20 +8,22 @@ import triton
 import triton.language as tl
 
 from ..numerics import WEIGHT_BLOCK
-from .common import abs_max, cast, e2m1_value, pow2_ceil_scale, qdq_groups, round_e4m3
+from .common import abs_max, cast, e2m1_value, mma_position, pow2_ceil_scale, qdq_groups, round_e4m3
 from .launch import launch_options, wait_for_inputs
 
 GROUP = WEIGHT_BLOCK  # the FP8 activation QDQ's groups along a row
+IN_ORDER, NIBBLE_MAJOR, MMA_ORDER = 0, 1, 2  # where a row's column c is stored (see _act_quant_kernel)
 
 
 @triton.jit
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, n_groups, groups_per_row, stride_xm, stride_qm, stride_sm,
-                      GROUPS: tl.constexpr, QDQ: tl.constexpr, NIBBLE_MAJOR: tl.constexpr):
+                      GROUPS: tl.constexpr, QDQ: tl.constexpr, ORDER: tl.constexpr):
     """Per row, per 32 values: scale 2^ceil(log2(max(amax, 1e-4) / 448)), values rounded to e4m3 (saturating).
     A program takes GROUPS consecutive groups of the flattened [rows, K/32] grid. QDQ: write the dequantized
     values (exact in bf16) to q; otherwise the e4m3 values to q (in q's dtype: e4m3, or fp16, which holds them
-    exactly) and fp32 scales to s. NIBBLE_MAJOR (QDQ): column c of a row stored at (c % 8) * K/8 + c // 8, the
-    order in which moe_rows multiplies packed FP4 words."""
+    exactly) and fp32 scales to s. ORDER: column c of a row stored at c (IN_ORDER), at (c % 8) * K/8 + c // 8
+    (NIBBLE_MAJOR, the order in which moe_rows multiplies packed FP4 words), or at common.mma_position(c)
+    (MMA_ORDER, where the tensor-core decode kernels read it)."""
     wait_for_inputs()
     g = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)  # rows x K passes 2^31 past 64K tokens
     valid = g < n_groups
@@ -32,9 +34,11 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, n_groups, groups_per_row, stride_xm, 
     x = tl.load(x_ptr + (row * stride_xm + col0)[:, None] + lane, mask=mask, other=0.0)
     q, scale = qdq_groups(tl.reshape(x, [GROUPS * 32]), GROUPS * 32)  # the one QDQ formula of the kernels
     q_ptrs = q_ptr + (row * stride_qm + col0)[:, None] + lane
-    if NIBBLE_MAJOR:
+    if ORDER == 1:  # NIBBLE_MAJOR
         col = col0[:, None] + lane
         q_ptrs = q_ptr + (row * stride_qm)[:, None] + (col % 8) * (groups_per_row * 4) + col // 8
+    elif ORDER == 2:  # MMA_ORDER
+        q_ptrs = q_ptr + (row * stride_qm)[:, None] + mma_position(col0[:, None] + lane)
     if QDQ:
         tl.store(q_ptrs, (q * scale[:, None]).to(q_ptr.dtype.element_ty), mask=mask)
     else:
@@ -61,22 +65,27 @@ def fp8_act_qdq(x: torch.Tensor, dtype: torch.dtype | None = None, nibble_major:
     n_groups = rows.numel() // GROUP
     grid = (triton.cdiv(n_groups, GROUPS_PER_PROGRAM),)
     _act_quant_kernel[grid](rows, out, out, n_groups, rows.shape[1] // GROUP, rows.stride(0), out.stride(0), 0,
-                            GROUPS=GROUPS_PER_PROGRAM, QDQ=True, NIBBLE_MAJOR=nibble_major, **launch_options())
+                            GROUPS=GROUPS_PER_PROGRAM, QDQ=True, ORDER=NIBBLE_MAJOR if nibble_major else IN_ORDER,
+                            **launch_options())
     return out.view(*x.shape[:-1], x.shape[-1])
 
 
-def fp8_act_quant(x: torch.Tensor, values_dtype: torch.dtype = torch.float8_e4m3fn
+def fp8_act_quant(x: torch.Tensor, values_dtype: torch.dtype = torch.float8_e4m3fn, mma_order: bool = False
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (e4m3 values [M, K] in values_dtype, fp32 power-of-two scales [M, K/32]), the operands of an FP8
-    dot (values_dtype e4m3) or of the FP4 experts' fp16 dots (values_dtype fp16: the e4m3 values exactly)."""
+    dot (values_dtype e4m3) or of the FP4 experts' fp16 dots (values_dtype fp16: the e4m3 values exactly).
+    mma_order: each row's values at common.mma_position (K a multiple of 128), as the tensor-core decode kernels
+    read them; the scales stay in column order."""
     rows = _check_act(x)
     m, k = rows.shape
+    if mma_order and k % 128:
+        raise ValueError(f"the tensor-core decode order takes rows of whole 128-column slices, got {k} columns")
     q = torch.empty(m, k, dtype=values_dtype, device=x.device)
     s = torch.empty(m, k // GROUP, dtype=torch.float32, device=x.device)
     n_groups = m * k // GROUP
     _act_quant_kernel[(triton.cdiv(n_groups, GROUPS_PER_PROGRAM),)](
         rows, q, s, n_groups, k // GROUP, rows.stride(0), q.stride(0), s.stride(0), GROUPS=GROUPS_PER_PROGRAM,
-        QDQ=False, NIBBLE_MAJOR=False, **launch_options())
+        QDQ=False, ORDER=MMA_ORDER if mma_order else IN_ORDER, **launch_options())
     return q, s
 
 

@@ -1,0 +1,53 @@
+"""Which decode-sized products run on the tensor cores through Gluon's mma_v2: the routed experts (moe_mma.py over
+fp4_mma.py) and the FP8 linears of up to 8 rows (fp8_mma.py). Off unless asked for, until timed on the GPU:
+`DEEPSEEK_V41_MMA_MOE=1` / `DEEPSEEK_V41_MMA_LINEARS=1`, or `use_mma_moe(True)` / `use_mma_linears(True)`.
+CUDA graphs record whichever is on when they are recorded."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import triton
+
+
+def gluon_available() -> bool:
+    """Whether this Triton has Gluon with Ampere's mma_v2 (Triton 3.5 and later)."""
+    try:
+        return importlib.util.find_spec("triton.experimental.gluon.language.nvidia.ampere") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def _checked(enabled: bool) -> bool:
+    if enabled and not gluon_available():
+        raise RuntimeError(f"the tensor-core decode needs Triton's Gluon (Triton >= 3.5; this is Triton "
+                           f"{triton.__version__}); upgrade Triton or leave it off.")
+    return bool(enabled)
+
+
+_chosen = {"moe": False, "linears": False}
+
+
+def use_mma_moe(enabled: bool) -> None:
+    """Route packed-FP4 grouped MoE calls of decode size on CUDA through the tensor cores from now on (or not)."""
+    _chosen["moe"] = _checked(enabled)
+
+
+def use_mma_linears(enabled: bool) -> None:
+    """Route FP8 linears (and pairs) of up to 8 rows on CUDA through the tensor cores from now on (or not)."""
+    _chosen["linears"] = _checked(enabled)
+
+
+def mma_moe_enabled() -> bool:
+    return _chosen["moe"]
+
+
+def mma_linears_enabled() -> bool:
+    return _chosen["linears"]
+
+
+if os.environ.get("DEEPSEEK_V41_MMA_MOE", "0") == "1":
+    use_mma_moe(True)
+if os.environ.get("DEEPSEEK_V41_MMA_LINEARS", "0") == "1":
+    use_mma_linears(True)

@@ -1,0 +1,33 @@
+"""What the Gluon tensor-core decode kernels share (fp4_mma.py, fp8_mma.py). Imports Gluon: reached on the GPU
+path only."""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+# the CTA-wide barrier (Triton 3.5-3.6 name it thread_barrier, later versions barrier)
+barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
+
+BM = 8  # the rows a program multiplies at once, the MMA's N
+SLICE = 128  # columns per loop step: four 32-column groups
+
+# a slice's activations of 8 rows stored at common.mma_position, as [8 rows, 4 t, 4 groups, 8 i]: lane 4 row + t
+# holds its 32 values of the slice, adjacent
+ACTIVATIONS = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 4], [0, 0, 1, 0], [0, 0, 2, 0]],
+    lane_bases=[[0, 1, 0, 0], [0, 2, 0, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
+    warp_bases=[[0, 0, 0, 0], [0, 0, 0, 0]], block_bases=[], shape=[8, 4, 4, 8]))
+# the MMA (m16n8k16, 4 warps along the weight rows) and its operands
+MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8]))
+A_OPERAND = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA.value, k_width=2))
+B_OPERAND = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA.value, k_width=2))
+
+
+@gluon.jit
+def split_groups(t):
+    """A slice's four 32-column groups on t's last two axes [2, 2] (group 2a + b at [a, b]) -> the four, in order."""
+    even, odd = gl.split(t)
+    g0, g2 = gl.split(even)
+    g1, g3 = gl.split(odd)
+    return g0, g1, g2, g3

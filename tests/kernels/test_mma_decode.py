@@ -1,0 +1,227 @@
+"""The tensor-core MoE decode (kernels/triton/moe_mma.py around fp4_mma.py's Gluon products).
+
+On the CPU the launches around the products run in Triton's interpreter with the products replaced by their
+dense contract (`_dense_partials`: what fp4_mma_partials must return), against the rows formulation and the
+emulation; on a GPU the Gluon kernel itself is checked against that contract at the released shapes, and the
+whole formulation for batch invariance and CUDA-graph capture."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from modeling_deepseek_v41.kernels import numerics  # noqa: E402
+from modeling_deepseek_v41.kernels.triton import grouped_moe, mma_choice, moe_mma  # noqa: E402
+from modeling_deepseek_v41.kernels.triton.quant import fp8_act_quant  # noqa: E402
+
+DEVICE = "cuda" if CUDA else "cpu"
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _rel(out, ref):
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def _mma_columns(k):
+    """[K]: the position of each column in common.mma_position's order."""
+    c = torch.arange(k)
+    return (c // 128) * 128 + 32 * ((c % 32) // 8) + 8 * ((c % 128) // 32) + c % 8
+
+
+def _dense_partials(x_codes, x_scales, w, scales, pair_of_row, top_k, block_expert, block_start, block_end, k_chunk,
+                    second=None):
+    """fp4_mma_partials' contract computed densely: per K chunk, each sorted row's product with its expert's
+    dequantized weight (columns of the second stack after the first's)."""
+    if second is not None:
+        return torch.cat([_dense_partials(x_codes, x_scales, ww, ss, pair_of_row, top_k, block_expert, block_start,
+                                          block_end, k_chunk) for ww, ss in ((w, scales), second)], dim=-1)
+    e, n, half_k = w.shape
+    k = half_k * 2
+    x = x_codes[:, _mma_columns(k).to(x_codes.device)].double() * x_scales.double().repeat_interleave(32, dim=1)
+    chunk = triton.cdiv(k_chunk, 128) * 128
+    rows = pair_of_row.shape[0] if pair_of_row is not None else x_codes.shape[0]
+    out = torch.zeros(triton.cdiv(k, chunk), rows, n, dtype=torch.float32, device=x_codes.device)
+    for b in range(block_expert.shape[0]):
+        start, end = int(block_start[b]), int(block_end[b])
+        if start >= end:
+            continue
+        ex = int(block_expert[b])
+        dense = numerics.dequantize_fp4_weight(w[ex], scales[ex], torch.float64)
+        for r in range(start, end):
+            xr = x[int(pair_of_row[r]) // top_k if pair_of_row is not None else r]
+            for s, k0 in enumerate(range(0, k, chunk)):
+                out[s, r] = (dense[:, k0:k0 + chunk] @ xr[k0:k0 + chunk]).float()
+    return out
+
+
+def _experts(n_experts, d, inter, seed):
+    def make(n, k, s):
+        dense = torch.randn(n_experts, n, k, generator=_gen(s)) * 0.05
+        packed = [numerics.quantize_fp4_weight(e) for e in dense]
+        return torch.stack([p for p, _ in packed]).to(DEVICE), torch.stack([q for _, q in packed]).to(DEVICE)
+    return (*make(inter, d, seed), *make(inter, d, seed + 1), *make(d, inter, seed + 2))
+
+
+def _routing(t, n_experts, top_k, seed):
+    experts = torch.rand(t, n_experts, generator=_gen(seed)).topk(top_k, dim=-1).indices
+    return experts.to(DEVICE), (torch.rand(t, top_k, generator=_gen(seed + 1)) * 1.5).to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_activations_quantized_into_the_mma_order_are_the_same_values(dtype):
+    x = (torch.randn(3, 384, generator=_gen(1)) * 4).to(dtype).to(DEVICE)
+    codes, scales = fp8_act_quant(x, torch.float16)
+    moved, moved_scales = fp8_act_quant(x, torch.float16, mma_order=True)
+    assert torch.equal(moved_scales, scales)
+    assert sorted(_mma_columns(384).tolist()) == list(range(384))
+    assert torch.equal(moved[:, _mma_columns(384).to(DEVICE)], codes)
+    with pytest.raises(ValueError, match="128-column"):
+        fp8_act_quant(x[:, :96], torch.float16, mma_order=True)
+
+
+@pytest.mark.skipif(CUDA, reason="the CPU checks the launches around the products; the GPU runs the products")
+@pytest.mark.parametrize("t", [1, 5])
+def test_the_launches_around_the_products_give_the_rows_formulation(monkeypatch, t):
+    """mma_moe with the products' contract (split K, sorted rows, a second stack's columns after the first's) gives
+    grouped_moe's rows formulation: the same SwiGLU, QDQ of h, rounding and combine, up to fp32 summation order."""
+    monkeypatch.setattr(moe_mma, "_mma_partials", _dense_partials)
+    monkeypatch.setitem(moe_mma.MMA_K_CHUNK, "up", 128)  # several splits at these widths
+    monkeypatch.setitem(moe_mma.MMA_K_CHUNK, "down", 128)
+    n_experts, d, inter, top_k = 6, 256, 384, 3
+    stacks = _experts(n_experts, d, inter, seed=3)
+    tokens = (torch.randn(t, d, generator=_gen(4))).to(torch.bfloat16)
+    experts, weights = _routing(t, n_experts, top_k, seed=5)
+    rows = grouped_moe(tokens, experts, weights, *stacks, limit=10.0, rows=True)
+    mma = grouped_moe(tokens, experts, weights, *stacks, limit=10.0, mma=True)
+    assert mma.shape == rows.shape and mma.dtype == rows.dtype
+    assert _rel(mma, rows) < 1e-2  # an fp32 order may move h across an e4m3 rounding step
+    assert (mma == rows).float().mean() > 0.99
+    shared = torch.randn(t, d, generator=_gen(6)).to(torch.bfloat16)
+    with_shared = grouped_moe(tokens, experts, weights, *stacks, limit=10.0, mma=True, shared=shared)
+    assert torch.equal(with_shared, (mma + shared.float()).to(torch.bfloat16))
+
+
+def test_the_formulation_is_asked_for_or_switched_on(monkeypatch):
+    stacks = _experts(4, 128, 128, seed=7)
+    tokens = torch.randn(2, 128, generator=_gen(8)).to(torch.bfloat16).to(DEVICE)
+    experts, weights = _routing(2, 4, 2, seed=9)
+    with pytest.raises(ValueError, match="mma takes packed FP4"):
+        grouped_moe(tokens, experts, weights, *stacks, limit=10.0, mma=True, rows=True)
+    calls = []
+    monkeypatch.setattr(moe_mma, "_mma_partials", lambda *a, **k: calls.append(1) or _dense_partials(*a, **k))
+    monkeypatch.setattr("modeling_deepseek_v41.kernels.triton.moe.mma_moe_enabled", lambda: True)
+    grouped_moe(tokens, experts, weights, *stacks, limit=10.0)
+    assert len(calls) == (2 if CUDA else 0)  # switched on, CUDA tensors only; the CPU keeps the exact rows
+    monkeypatch.setattr(mma_choice, "gluon_available", lambda: False)
+    for switch in (mma_choice.use_mma_moe, mma_choice.use_mma_linears):
+        with pytest.raises(RuntimeError, match="Gluon"):
+            switch(True)
+    assert not mma_choice.mma_moe_enabled() and not mma_choice.mma_linears_enabled()
+
+
+# --- the Gluon products on the GPU -----------------------------------------------------------------------------
+
+@pytest.mark.skipif(not CUDA, reason="Gluon kernels run on the GPU only")
+@pytest.mark.parametrize("e,t", [(8, 1), (32, 6), (32, 32), (384, 32)])
+def test_cuda_products_keep_their_contract_at_released_shapes(e, t):
+    from modeling_deepseek_v41.kernels.triton.fp4_mma import BM, fp4_mma_partials
+    from modeling_deepseek_v41.kernels.triton.moe_schedule import moe_schedule
+    n, k, top_k = 2304, 5120, 6
+    w1, s1, w3, s3, _, _ = _experts_on_device(e, k, n)
+    x = torch.randn(t, k, device=DEVICE).to(torch.bfloat16)
+    experts, _ = _routing(t, e, top_k, seed=t)
+    pair_of_row, *blocks, _ = moe_schedule(experts, e, BM)
+    codes, xs = fp8_act_quant(x, torch.float16, mma_order=True)
+    got = fp4_mma_partials(codes, xs, w1, s1, pair_of_row, top_k, *blocks, 1280, second=(w3, s3))
+    want = _dense_partials(codes, xs, w1, s1, pair_of_row, top_k, *blocks, 1280, second=(w3, s3))
+    assert _rel(got.sum(0), want.sum(0)) < 1e-5
+
+
+def _experts_on_device(e, d, inter):
+    """Random packed stacks drawn on the GPU (384 experts at the released widths: quantizing them on the CPU is
+    slow); scales in [2^-9, 2^0]."""
+    def make(n, k):
+        return (torch.randint(-128, 128, (e, n, k // 2), device=DEVICE, dtype=torch.int8),
+                torch.randint(118, 128, (e, n, k // 32), device=DEVICE, dtype=torch.uint8).view(torch.float8_e8m0fnu))
+    return (*make(inter, d), *make(inter, d), *make(d, inter))
+
+
+@pytest.mark.skipif(not CUDA, reason="Gluon kernels run on the GPU only")
+def test_cuda_mma_moe_is_batch_invariant_capturable_and_close_to_the_rows():
+    e, d, inter, top_k, t = 32, 5120, 2304, 6, 6
+    stacks = _experts_on_device(e, d, inter)
+    tokens = torch.randn(t, d, device=DEVICE).to(torch.bfloat16)
+    experts, weights = _routing(t, e, top_k, seed=11)
+    full = grouped_moe(tokens, experts, weights, *stacks, limit=10.0, mma=True)
+    for i in range(t):
+        alone = grouped_moe(tokens[i:i + 1], experts[i:i + 1], weights[i:i + 1], *stacks, limit=10.0, mma=True)
+        assert torch.equal(alone, full[i:i + 1])
+    rows = grouped_moe(tokens, experts, weights, *stacks, limit=10.0, rows=True)
+    assert _rel(full, rows) < 2e-2
+    graph = torch.cuda.CUDAGraph()
+    out = grouped_moe(tokens, experts, weights, *stacks, limit=10.0, mma=True)  # compiled before the capture
+    with torch.cuda.graph(graph):
+        out = grouped_moe(tokens, experts, weights, *stacks, limit=10.0, mma=True)
+    graph.replay()
+    assert torch.equal(out, full)
+
+
+# --- the FP8 linears ---------------------------------------------------------------------------------------------
+
+def _fp8(n, k, seed):
+    w, s = numerics.quantize_fp8_weight(torch.randn(n, k, generator=_gen(seed)) * 0.02)
+    return w.to(DEVICE), s.to(DEVICE)
+
+
+class _Taken(Exception):
+    pass
+
+
+def test_linears_take_the_tensor_cores_only_on_cuda_when_switched_on(monkeypatch):
+    from modeling_deepseek_v41.kernels.triton import fp8_linear, linear, linear_pair
+
+    def taken(*args, **kwargs):
+        raise _Taken
+
+    monkeypatch.setattr(linear, "_mma_linear", taken)
+    w, s = _fp8(64, 256, seed=1)
+    x = torch.randn(2, 256, generator=_gen(2)).to(torch.bfloat16).to(DEVICE)
+    for on in (True, False):
+        monkeypatch.setattr(linear, "mma_linears_enabled", lambda: on)
+        for call in (lambda: fp8_linear(x, w, s), lambda: linear_pair(x, (w, s), (w, s))):
+            if on and CUDA:
+                with pytest.raises(_Taken):
+                    call()
+            else:  # switched off, or on the CPU (the rows kernel and its exact float64 path)
+                call()
+    monkeypatch.setattr(linear, "mma_linears_enabled", lambda: True)
+    fp8_linear(x[:, :96], w[:, :96].contiguous(), s[:, :3])  # K not whole 128-column slices: the rows kernel
+
+
+@pytest.mark.skipif(not CUDA, reason="Gluon kernels run on the GPU only")
+@pytest.mark.parametrize("n,k", [(1024, 5120), (32768, 1024), (5120, 8192), (5120, 2304), (96, 256)])
+def test_cuda_fp8_linear_on_tensor_cores_is_the_exact_product_and_batch_invariant(n, k):
+    from modeling_deepseek_v41.kernels.triton.fp8_mma import fp8_mma_linear
+    w, s = _fp8(n, k, seed=n)
+    exact = numerics.dequantize_fp8_weight(w, s).double()
+    x = (torch.randn(8, k, generator=_gen(k)) * 3).to(torch.bfloat16).to(DEVICE)
+    xq = numerics.fp8_act_qdq(x.float()).double()
+    for m in (1, 6, 8):
+        got = fp8_mma_linear(x[:m], w, s, torch.float32)
+        assert _rel(got, xq[:m] @ exact.t()) < 1e-5
+        assert torch.equal(got[:1], fp8_mma_linear(x[:1], w, s, torch.float32))
+    w2, s2 = _fp8(n // 2 + 32, k, seed=n + 1)  # a pair: both products from one launch
+    a, b = fp8_mma_linear(x[:3], w, s, torch.float32, second=(w2, s2))
+    assert _rel(a, xq[:3] @ exact.t()) < 1e-5
+    assert _rel(b, xq[:3] @ numerics.dequantize_fp8_weight(w2, s2).double().t()) < 1e-5
