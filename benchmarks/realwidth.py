@@ -413,19 +413,14 @@ def main() -> None:
                         help="decode-sized MoE calls on the tensor cores (kernels.triton.use_mma_moe; off by default "
                              "until timed)")
     parser.add_argument("--linear-mma", action="store_true",
-                        help="decode-sized FP8 linears through the tensor-core candidate in investigations/fp8_mma "
-                             "(an A/B)")
+                        help="FP8 linears of up to 8 rows on the tensor cores (kernels.triton.use_mma_linears; off by "
+                             "default until timed)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/realwidth.py needs a CUDA GPU.")
-    if args.moe_mma:
-        from modeling_deepseek_v41.kernels.triton import use_mma_moe
-        use_mma_moe(True)
-    if args.linear_mma:
-        investigations = Path(__file__).resolve().parent / "investigations"
-        sys.path[:0] = [str(investigations), str(investigations / "fp8_mma")]
-        from patch import use_mma_linears
-        use_mma_linears()
+    from modeling_deepseek_v41.kernels.triton import use_mma_linears, use_mma_moe
+    use_mma_moe(args.moe_mma)
+    use_mma_linears(args.linear_mma)
     from modeling_deepseek_v41.kernels.triton.launch import use_pdl
     start = time.perf_counter()
     model = build(released_config(args.mode, args.experts, args.engram_rows))

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from modeling_deepseek_v41.kernels.expert_ops import gathered_swiglu
 from modeling_deepseek_v41.kernels.triton import (dense_linear, fp4_linear, fp4_to_fp8_weight, fp8_linear,
                                                   fp8_row_linear, grouped_moe)
-from modeling_deepseek_v41.kernels.triton.moe_mma import gluon_available
+from modeling_deepseek_v41.kernels.triton.linear_rows import ROWS_MAX_ROWS
+from modeling_deepseek_v41.kernels.triton.mma_choice import gluon_available, use_mma_linears
 from modeling_deepseek_v41.layers.linear import DeepseekV41Linear
 from realwidth import timed_ms
 
@@ -108,6 +109,11 @@ def bench_linears():
             if m <= 256:
                 ms_f = graph_ms([lambda w=w, s=s: fp8_linear(x, w, s, fp8_dot=True) for w, s in zip(ws, ss)])
                 extra += f", fp8-dot {ms_f * 1e3:.1f} us"
+            if m <= ROWS_MAX_ROWS and gluon_available():  # the tensor-core rows (fp8_mma.py)
+                use_mma_linears(True)
+                ms_t = graph_ms([lambda w=w, s=s: fp8_linear(x, w, s) for w, s in zip(ws, ss)])
+                use_mma_linears(False)
+                extra += f", mma {ms_t * 1e3:.1f} us"
             if m == 4096:
                 ms_b = graph_ms([lambda w=w, s=s: fp8_linear(x, w, s, fp8_dot=False) for w, s in zip(ws, ss)])
                 extra += f", Triton exact bf16-dot {ms_b * 1e3:.1f} us"

@@ -1,12 +1,12 @@
-"""What the tensor-core investigations share: the offline sm_90 compile of a Gluon kernel (the H200's Triton 3.6
-wheel in /tmp/t36, first on sys.path), the slice orders (which column a lane's value multiplies) and their
-device-cached column index, the activations' QDQ written straight into a slice order, and the split of a slice's
-four 32-column groups.
+"""What the tensor-core investigation (fp4_mma/) uses: the offline sm_90 compile of a Gluon kernel (the H200's
+Triton 3.6 wheel in /tmp/t36, first on sys.path), the slice orders (which column a lane's value multiplies) and
+their device-cached column index, the activations' QDQ written straight into a slice order, and the split of a
+slice's four 32-column groups.
 
 A kernel's lane t holds, per 32-column group g of a 128-column slice, 8 values i of a weight row; its activations
 are read at position 32 t + 8 g + i of the slice. The order says which column that is: NATURAL, 32 g + 8 t + i,
-the shipped bytes as they are (a lane's words of a slice are not adjacent); FP4_WORDS and FP8_BYTES, the weights
-permuted once at load so that a lane's values of a slice are one or two 16-byte loads."""
+the shipped bytes as they are (the package's common.mma_position); FP4_WORDS, the weights permuted once at load so
+that a lane's values of a slice are one 16-byte load."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def gluon_sass(fn, types: dict, const: dict, out: str, divisible=("N", "K", "k_c
     print([line.strip() for line in usage.splitlines() if "REG" in line], "shared", kernel.metadata.shared)
 
 
-NATURAL, FP4_WORDS, FP8_BYTES = 0, 1, 2  # the slice orders
+NATURAL, FP4_WORDS = 0, 1  # the slice orders
 
 
 def lane_columns(order: int) -> torch.Tensor:
@@ -53,9 +53,7 @@ def lane_columns(order: int) -> torch.Tensor:
     i = torch.arange(8)[None, :]
     if order == NATURAL:
         return 8 * t + i
-    if order == FP4_WORDS:  # nibbles 0 and 2, 1 and 3, ... are k's neighbours as the unpacking pairs them
-        return ((i >> 1) & 1) + 2 * t + 8 * (i & 1) + 16 * (i >> 2)
-    return (i & 1) + 2 * t + 8 * ((i >> 1) & 1) + 16 * (i >> 2)  # FP8_BYTES: one conversion per byte pair
+    return ((i >> 1) & 1) + 2 * t + 8 * (i & 1) + 16 * (i >> 2)  # nibbles 0 and 2, 1 and 3, ... k's neighbours
 
 
 def slice_permutation(k: int, order: int) -> torch.Tensor:
@@ -86,12 +84,9 @@ def slice_position(c, ORDER: tl.constexpr):
     if ORDER == 0:  # NATURAL
         t = j >> 3
         i = j & 7
-    else:
+    else:  # FP4_WORDS
         t = (j >> 1) & 3
-        if ORDER == 1:  # FP4_WORDS
-            i = 4 * (j >> 4) + 2 * (j & 1) + ((j >> 3) & 1)
-        else:  # FP8_BYTES
-            i = (j & 1) + 2 * ((j >> 3) & 1) + 4 * (j >> 4)
+        i = 4 * (j >> 4) + 2 * (j & 1) + ((j >> 3) & 1)
     return (c // 128) * 128 + 32 * t + 8 * ((c % 128) // 32) + i
 
 
