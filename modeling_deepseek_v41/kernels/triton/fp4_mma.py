@@ -135,8 +135,9 @@ def fp4_mma_partials(x_codes: torch.Tensor, x_scales: torch.Tensor, w: torch.Ten
     of <= BM rows of one expert (moe_schedule)."""
     e, n, half_k = w.shape
     k = half_k * 2
-    if k % SLICE or not w.is_contiguous():
-        raise ValueError(f"the tensor-core decode takes contiguous stacks of whole {SLICE}-column slices (K = {k})")
+    if k % SLICE or not (w.is_contiguous() and scales.is_contiguous()):
+        raise ValueError(f"the tensor-core decode takes contiguous stacks and scales of whole {SLICE}-column slices "
+                         f"(K = {k})")
     w2, s2 = second if second is not None else (w, scales)
     if w2.shape != w.shape or w2.stride() != w.stride() or s2.stride() != scales.stride():
         raise ValueError("the second stack must have the first's shape and strides")
