@@ -196,10 +196,11 @@ def test_linears_take_the_tensor_cores_only_on_cuda_when_switched_on(monkeypatch
 
     monkeypatch.setattr(linear, "_mma_linear", taken)
     w, s = _fp8(64, 256, seed=1)
-    x = torch.randn(2, 256, generator=_gen(2)).to(torch.bfloat16).to(DEVICE)
+    x = torch.randn(40, 256, generator=_gen(2)).to(torch.bfloat16).to(DEVICE)
     for on in (True, False):
         monkeypatch.setattr(linear, "mma_linears_enabled", lambda: on)
-        for call in (lambda: fp8_linear(x, w, s), lambda: linear_pair(x, (w, s), (w, s))):
+        for call in (lambda: fp8_linear(x[:2], w, s), lambda: linear_pair(x[:2], (w, s), (w, s)),
+                     lambda: fp8_linear(x, w, s), lambda: linear_pair(x, (w, s), (w, s))):
             if on and CUDA:
                 with pytest.raises(_Taken):
                     call()
@@ -215,12 +216,14 @@ def test_cuda_fp8_linear_on_tensor_cores_is_the_exact_product_and_batch_invarian
     from modeling_deepseek_v41.kernels.triton.fp8_mma import fp8_mma_linear
     w, s = _fp8(n, k, seed=n)
     exact = numerics.dequantize_fp8_weight(w, s).double()
-    x = (torch.randn(8, k, generator=_gen(k)) * 3).to(torch.bfloat16).to(DEVICE)
+    x = (torch.randn(72, k, generator=_gen(k)) * 3).to(torch.bfloat16).to(DEVICE)
     xq = numerics.fp8_act_qdq(x.float()).double()
-    for m in (1, 6, 8):
+    alone = fp8_mma_linear(x[:1], w, s, torch.float32)
+    for m in (1, 6, 8, 12, 32, 72):  # 8-, 16- and 32-row programs, several row blocks
         got = fp8_mma_linear(x[:m], w, s, torch.float32)
         assert _rel(got, xq[:m] @ exact.t()) < 1e-5
-        assert torch.equal(got[:1], fp8_mma_linear(x[:1], w, s, torch.float32))
+        assert torch.equal(got[:1], alone)
+        assert torch.equal(got[m - 1:m], fp8_mma_linear(x[m - 1:m], w, s, torch.float32))
     w2, s2 = _fp8(n // 2 + 32, k, seed=n + 1)  # a pair: both products from one launch
     a, b = fp8_mma_linear(x[:3], w, s, torch.float32, second=(w2, s2))
     assert _rel(a, xq[:3] @ exact.t()) < 1e-5

@@ -1,14 +1,15 @@
-"""The FP8 linears of up to 8 rows on the tensor cores (Gluon, Hopper's mma.sync): out [M, N] = QDQ(x) [M, K] @ W^T
+"""The FP8 linears of decode sizes on the tensor cores (Gluon, Hopper's mma.sync): out [M, N] = QDQ(x) [M, K] @ W^T
 for W e4m3 [N, K] with E8M0 scales per 32 x 32 tile, one weight or a pair on one input in one launch.
 
 mma_v2 (m16n8k16, fp16 in, fp32 accumulators) takes the weights as A and the rows as B: a lane holds, per 32-column
 group, 8 bytes of each of two weight rows (as shipped: lane t, columns 8t to 8t + 7), byte i at k = (i & 1) + 2t +
 8 (i >> 1 & 1) + 16 (i >> 2), so consecutive bytes are k's neighbours and one conversion (cvt.rn.f16x2.e4m3x2) makes
 each fp16 pair of the fragment. The activations arrive as e4m3 values in fp16 at common.mma_position with fp32
-power-of-two scales per 32 columns: exact products, each group's fp32 dot scaled by both scales. The split of K
-depends on the weights' shapes only and is summed in split order by each tile's last program (the rows kernel's
-arrive-last scheme), so a row's result does not depend on the other rows: batch invariant up to 8 rows. Offline
-(sm_90, Triton 3.6): 2.0 SASS instructions per weight byte at any row count, against 3.5 for the CUDA-core rows
+power-of-two scales per 32 columns: exact products, each group's fp32 dot scaled by both scales. A program takes
+8, 16 or 32 rows (the MMA's N); each output is its own row's dot, and the split of K depends on the weights' shapes
+only and is summed in split order by the last program of each tile and row block (the rows kernel's arrive-last
+scheme), so a row's result does not depend on the other rows or their count: batch invariant at every decode size.
+Offline (sm_90, Triton 3.6): 2.0 SASS instructions per weight byte for 8 rows, against 3.5 for the CUDA-core rows
 kernel at one row and 11.1 at six. Launched without programmatic dependent launch (see fp4_mma.py).
 """
 
@@ -20,12 +21,17 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from .mma_common import A_OPERAND, ACTIVATIONS, B_OPERAND, BM, MMA, SLICE, barrier, split_groups
+from .mma_common import A_OPERAND, B_OPERAND, MMA, SLICE, activations_layout, barrier, split_groups
 from .quant import fp8_act_quant
 from .workspace import split_buffers
 
-_BM = gl.constexpr(BM)
 _SLICE = gl.constexpr(SLICE)
+# rows per program by the call's rows (offline sm_90: 260 / 372 / 603 SASS instructions per 128-column slice,
+# 102 / 140 / 255 registers); several blocks of 32 past 32 rows
+
+
+def block_rows(m: int) -> int:
+    return 8 if m <= 8 else 16 if m <= 16 else 32
 SPLIT_TARGET = 528  # programs a launch aims at (four per SM of an H100/H200) when splitting K
 
 # int32 of four e4m3 bytes -> four fp16 (byte i -> output i): bytes 0-1 and 2-3 each one conversion
@@ -49,31 +55,32 @@ def _e8m0(byte):
 
 
 @gluon.jit
-def _group_dot(acc, w01, w23, xg, sw, sx, BN: gl.constexpr):
+def _group_dot(acc, w01, w23, xg, sw, sx, BN: gl.constexpr, BM: gl.constexpr):
     """acc + (one group's weights [BN, 32] from a lane's two words [BN, 4] . xg [32, BM]) x scales."""
     v0, v1, v2, v3 = gl.inline_asm_elementwise(_BYTES_ASM, "=h,=h,=h,=h,r", [w01], (gl.float16,) * 4, True, 1)
     v4, v5, v6, v7 = gl.inline_asm_elementwise(_BYTES_ASM, "=h,=h,=h,=h,r", [w23], (gl.float16,) * 4, True, 1)
     # [n, t, a, b, c] (byte i = a + 2b + 4c) -> [n, c, b, t, a] = [n, k], k = 16c + 8b + 2t + a
     values = gl.join(gl.join(gl.join(v0, v1), gl.join(v2, v3)), gl.join(gl.join(v4, v5), gl.join(v6, v7)))
     values = gl.convert_layout(gl.reshape(gl.permute(values, [0, 4, 3, 1, 2]), [BN, 32]), A_OPERAND)
-    d = mma_v2(values, xg, gl.zeros([BN, _BM], gl.float32, MMA))
+    d = mma_v2(values, xg, gl.zeros([BN, BM], gl.float32, MMA))
     return acc + d * (sw[:, None] * sx[None, :])
 
 
 @gluon.jit
 def _fp8_mma_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K, k_chunk, splits,
                     stride_xm, stride_xsm, stride_wn, stride_sn, w2_ptr, s2_ptr, out2_ptr, N2, tiles1,
-                    BN: gl.constexpr):
-    """out[m, n] = sum over k of x[m, k] w[n, k]: this program's BN weight rows and split of K; the tile's last
-    program sums the splits' partials in split order. Tiles past `tiles1` take a second weight w2 [N2, K] (scales
-    s2, output out2, the same strides) on the same rows."""
+                    BN: gl.constexpr, BM: gl.constexpr):
+    """out[m, n] = sum over k of x[m, k] w[n, k]: this program's BN weight rows, BM rows and split of K; the last
+    program of a (tile, row block) sums the splits' partials in split order. Tiles past `tiles1` take a second
+    weight w2 [N2, K] (scales s2, output out2, the same strides) on the same rows. A row's sums are the same at any
+    BM (each MMA output is its own row's dot): batch invariant."""
     # [128 rows, 4 t, 4 groups, 2 words]: lane 4 (row % 8) + t holds rows r and r + 8 of its warp's 16-row tile
     # (and + 64), its 8 bytes of each group
     WORDS: gl.constexpr = gl.DistributedLinearLayout(
         reg_bases=[[0, 0, 0, 1], [0, 0, 1, 0], [0, 0, 2, 0], [8, 0, 0, 0], [64, 0, 0, 0]],
         lane_bases=[[0, 1, 0, 0], [0, 2, 0, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
         warp_bases=[[16, 0, 0, 0], [32, 0, 0, 0]], block_bases=[], shape=[128, 4, 4, 2])
-    XL: gl.constexpr = ACTIVATIONS
+    XL: gl.constexpr = activations_layout(BM)
     gl.static_assert(BN == 128, "the words' layout is written for 128 weight rows per program")
     tile = gl.program_id(0)
     part_ptr += (tile >= tiles1).to(gl.int64) * splits * M * N  # the second weight's partials after the first's
@@ -93,7 +100,8 @@ def _fp8_mma_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M
     w_rows = (w_ptr + n_w[:, None, None, None].to(gl.int64) * stride_wn + 2 * t_w[None, :, None, None]
               + 8 * g_w[None, None, :, None] + h_w[None, None, None, :])
     XS: gl.constexpr = gl.SliceLayout(3, XL)
-    r_x = gl.arange(0, _BM, layout=gl.SliceLayout(1, gl.SliceLayout(2, XS)))
+    row0 = gl.program_id(2) * BM
+    r_x = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, gl.SliceLayout(2, XS)))
     t_x = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, XS)))
     g_x = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, XS)))
     i_x = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, XL))))
@@ -101,27 +109,27 @@ def _fp8_mma_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M
               + 8 * g_x[None, None, :, None] + i_x[None, None, None, :])
     x_ok = (r_x < M)[:, None, None, None] & (i_x >= 0)[None, None, None, :]
     n_c = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
-    r_c = gl.arange(0, _BM, layout=gl.SliceLayout(0, MMA))
+    r_c = row0 + gl.arange(0, BM, layout=gl.SliceLayout(0, MMA))
     s_rows = s_ptr + (gl.minimum(n_c, N - 1) // 32).to(gl.int64) * stride_sn
     xs_rows = xs_ptr + r_c.to(gl.int64) * stride_xsm
-    acc = gl.zeros([BN, _BM], gl.float32, MMA)
+    acc = gl.zeros([BN, BM], gl.float32, MMA)
     for k in range(k_start, k_stop, _SLICE):
         words = gl.load(w_rows + k // 4)  # [BN, 4 lanes, 4 groups, 2 words]
         lo, hi = gl.split(words)  # bytes 0-3 and 4-7 of each lane's group
         lo0, lo1, lo2, lo3 = split_groups(gl.reshape(lo, [BN, 4, 2, 2]))
         hi0, hi1, hi2, hi3 = split_groups(gl.reshape(hi, [BN, 4, 2, 2]))
-        xs4 = gl.load(x_rows + k, mask=x_ok, other=0.0)  # [8, 4, 4, 8]
-        x0, x1, x2, x3 = split_groups(gl.reshape(gl.permute(xs4, [0, 1, 3, 2]), [8, 4, 8, 2, 2]))
+        xs4 = gl.load(x_rows + k, mask=x_ok, other=0.0)  # [BM, 4, 4, 8]
+        x0, x1, x2, x3 = split_groups(gl.reshape(gl.permute(xs4, [0, 1, 3, 2]), [BM, 4, 8, 2, 2]))
         for g in gl.static_range(4):
             w01 = lo0 if g == 0 else lo1 if g == 1 else lo2 if g == 2 else lo3
             w23 = hi0 if g == 0 else hi1 if g == 1 else hi2 if g == 2 else hi3
             xq = x0 if g == 0 else x1 if g == 1 else x2 if g == 2 else x3
             # [n, t, a, b, c] (i = a + 2b + 4c: k = 16c + 8b + 2t + a) -> [c, b, t, a, n] = [k, n]
-            xg = gl.convert_layout(gl.reshape(gl.permute(gl.reshape(xq, [8, 4, 2, 2, 2]), [2, 3, 1, 4, 0]),
-                                              [32, _BM]), B_OPERAND)
+            xg = gl.convert_layout(gl.reshape(gl.permute(gl.reshape(xq, [BM, 4, 2, 2, 2]), [2, 3, 1, 4, 0]),
+                                              [32, BM]), B_OPERAND)
             sw = _e8m0(gl.load(s_rows + k // 32 + g))
             sx = gl.load(xs_rows + k // 32 + g, mask=r_c < M, other=0.0)
-            acc = _group_dot(acc, w01, w23, xg, sw, sx, BN)
+            acc = _group_dot(acc, w01, w23, xg, sw, sx, BN, BM)
     offs = r_c[None, :].to(gl.int64) * N + n_c[:, None]  # the outputs are contiguous [M, N]
     ok = (r_c < M)[None, :] & (n_c < N)[:, None]
     if splits == 1:
@@ -129,9 +137,10 @@ def _fp8_mma_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M
     else:
         gl.store(part_ptr + pid_s * M * N + offs, acc, mask=ok)
         barrier()
-        ticket = gl.atomic_add(count_ptr + gl.program_id(0), 1, sem="acq_rel", scope="gpu")
+        counter = count_ptr + gl.program_id(0) * gl.num_programs(2) + gl.program_id(2)
+        ticket = gl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
         if ticket == splits - 1:
-            gl.atomic_xchg(count_ptr + gl.program_id(0), 0, sem="relaxed", scope="gpu")
+            gl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
             total = gl.load(part_ptr + offs, mask=ok, other=0.0, cache_modifier=".cg")
             for s in range(1, splits):
                 total += gl.load(part_ptr + s * M * N + offs, mask=ok, other=0.0, cache_modifier=".cg")
@@ -141,15 +150,14 @@ def _fp8_mma_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M
 def fp8_mma_linear(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype,
                    second: tuple[torch.Tensor, torch.Tensor] | None = None
                    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """[M, N] = QDQ(rows) [M, K] @ weight^T for M <= 8 rows (bf16/fp32), weight e4m3 [N, K] as shipped with E8M0
-    scales [N/32, K/32]; with second = (weight2, scale2) of the same K, both products from one launch."""
+    """[M, N] = QDQ(rows) [M, K] @ weight^T (rows bf16/fp32), weight e4m3 [N, K] as shipped with E8M0 scales
+    [N/32, K/32]; with second = (weight2, scale2) of the same K, both products from one launch. Programs take
+    block_rows(M) rows; the split of K follows from the weights' shapes alone."""
     m, k = rows.shape
     n = weight.shape[0]
     w2, s2 = second if second is not None else (weight, scale)
-    if m > BM or k % SLICE or weight.shape[1] != k or w2.shape[1] != k or not (
-            weight.is_contiguous() and w2.is_contiguous()):
-        raise ValueError(f"the tensor-core linear takes up to {BM} rows and contiguous weights of whole {SLICE}-column "
-                         f"slices; got {m} rows, K {k}")
+    if k % SLICE or weight.shape[1] != k or w2.shape[1] != k or not (weight.is_contiguous() and w2.is_contiguous()):
+        raise ValueError(f"the tensor-core linear takes contiguous weights of whole {SLICE}-column slices; got K {k}")
     codes, xs = fp8_act_quant(rows, torch.float16, mma_order=True)
     n2 = w2.shape[0] if second is not None else 0
     tiles1 = triton.cdiv(n, 128)
@@ -157,12 +165,14 @@ def fp8_mma_linear(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     slices = k // SLICE
     per = triton.cdiv(slices, min(slices, max(1, triton.cdiv(SPLIT_TARGET, tiles))))
     splits = triton.cdiv(slices, per)
+    bm = block_rows(m)
+    row_blocks = triton.cdiv(m, bm)
     out = torch.empty(m, n, dtype=out_dtype, device=rows.device)
     out2 = torch.empty(m, n2, dtype=out_dtype, device=rows.device) if second is not None else out
-    part, count = split_buffers(splits, (m, n + n2), tiles, rows.device)
+    part, count = split_buffers(splits, (m, n + n2), tiles * row_blocks, rows.device)
     words, words2 = weight.view(torch.int32), w2.view(torch.int32)
     s, s2 = scale.view(torch.uint8), s2.view(torch.uint8)
-    _fp8_mma_kernel[(tiles, splits)](codes, xs, words, s, out, part, count, m, n, k, per * SLICE, splits,
-                                     codes.stride(0), xs.stride(0), words.stride(0), s.stride(0), words2, s2, out2,
-                                     n2, tiles1, BN=128, num_warps=4)
+    _fp8_mma_kernel[(tiles, splits, row_blocks)](codes, xs, words, s, out, part, count, m, n, k, per * SLICE, splits,
+                                                 codes.stride(0), xs.stride(0), words.stride(0), s.stride(0), words2,
+                                                 s2, out2, n2, tiles1, BN=128, BM=bm, num_warps=4)
     return (out, out2) if second is not None else out

@@ -10,13 +10,14 @@ measured on the H200).
 
 Three regimes, chosen by the row count M only:
 - rows (M <= ROWS_MAX_ROWS, FP8 and bf16/fp16 weights): linear_rows.py, the weight streamed once through the CUDA
-  cores into each row's fp32 FMAs (a tensor-core tile would pad the rows to 32); with mma_choice.use_mma_linears on,
-  FP8 weights through fp8_mma.py instead (mma.sync with the weights as the wide operand: no padding, the same
-  cost per weight at any row count).
+  cores into each row's fp32 FMAs (a tensor-core tile would pad the rows to 32).
 - decode (M <= DECODE_MAX_ROWS): one tiling (weight rows x token columns, swapped so the weight fills the tensor
   core's wide side) and a split-K count that depend on (N, K) alone, so a row's result never depends on M or on the
   other rows (batch invariant). The split partials are summed in split order by the last program of each tile,
   in the same launch. With M <= BM every weight byte is read once per call.
+- with mma_choice.use_mma_linears on, FP8 weights at every decode size (M <= DECODE_MAX_ROWS) go through
+  fp8_mma.py instead: mma.sync with the weights as the wide operand and 8-32 rows as the narrow one (no padding
+  of one row to a tile), batch invariant across all those sizes.
 - prefill (M > DECODE_MAX_ROWS): the weight is dequantized exactly to a bf16 scratch copy and multiplied by cuBLAS
   with the exactly QDQ'd activations (bf16 products are exact, accumulation fp32): compute-bound, so the copy
   costs little next to the GEMM. fp8_dot=True/False forces the Triton kernel at any M.
@@ -188,7 +189,7 @@ def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def _on_tensor_cores(rows: torch.Tensor, *weights: torch.Tensor) -> bool:
-    """Whether an FP8 linear (or pair) of up to ROWS_MAX_ROWS rows goes through fp8_mma.py (mma_choice)."""
+    """Whether an FP8 linear (or pair) of decode size goes through fp8_mma.py (mma_choice)."""
     return (mma_linears_enabled() and rows.is_cuda and rows.dtype in (torch.bfloat16, torch.float32)
             and rows.shape[1] % 128 == 0 and all(w.is_contiguous() for w in weights))
 
@@ -213,11 +214,10 @@ def _quantized(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt: 
         else:
             out = torch.nn.functional.linear(qdq.float(), dense.float()).to(x.dtype)
         return out.view(*x.shape[:-1], n)
-    if fp8_dot is None and rows.shape[0] <= ROWS_MAX_ROWS and fmt == FMT_FP8_TILE:
-        if _on_tensor_cores(rows, weight):
-            out = _mma_linear(rows, weight, scale, x.dtype)
-        else:
-            out = rows_linear(rows, weight, scale, fmt, n, k, x.dtype, quantize=True)
+    if fp8_dot is None and fmt == FMT_FP8_TILE and _on_tensor_cores(rows, weight):
+        out = _mma_linear(rows, weight, scale, x.dtype)
+    elif fp8_dot is None and rows.shape[0] <= ROWS_MAX_ROWS and fmt == FMT_FP8_TILE:
+        out = rows_linear(rows, weight, scale, fmt, n, k, x.dtype, quantize=True)
     elif fp8_dot:
         q, xs = fp8_act_quant(rows)
         out = run_linear(q, xs, weight, scale, fmt, n, k, x.dtype, torch.float8_e4m3fn)
@@ -270,7 +270,7 @@ def linear_pair(x: torch.Tensor, first: tuple[torch.Tensor, torch.Tensor | None]
         one = (lambda w, s: fp8_linear(x, w, s)) if quantized else (lambda w, s: dense_linear(x, w))
         return one(w1, s1), one(w2, s2)
     n1, n2 = w1.shape[0], w2.shape[0]
-    if rows.shape[0] <= ROWS_MAX_ROWS and quantized and _on_tensor_cores(rows, w1, w2):
+    if quantized and _on_tensor_cores(rows, w1, w2):
         out1, out2 = _mma_linear(rows, w1, s1, x.dtype, second=(w2, s2))
     elif rows.shape[0] <= ROWS_MAX_ROWS:
         fmt, operand, out_dtype = (FMT_FP8_TILE, rows, x.dtype) if quantized else \

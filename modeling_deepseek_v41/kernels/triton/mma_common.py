@@ -12,12 +12,21 @@ barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
 BM = 8  # the rows a program multiplies at once, the MMA's N
 SLICE = 128  # columns per loop step: four 32-column groups
 
-# a slice's activations of 8 rows stored at common.mma_position, as [8 rows, 4 t, 4 groups, 8 i]: lane 4 row + t
-# holds its 32 values of the slice, adjacent
-ACTIVATIONS = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 4], [0, 0, 1, 0], [0, 0, 2, 0]],
-    lane_bases=[[0, 1, 0, 0], [0, 2, 0, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
-    warp_bases=[[0, 0, 0, 0], [0, 0, 0, 0]], block_bases=[], shape=[8, 4, 4, 8]))
+
+
+@gluon.constexpr_function
+def activations_layout(rows):
+    """A slice's activations of `rows` rows (8, 16 or 32) stored at common.mma_position, as [rows, 4 t, 4 groups,
+    8 i]: lane 4 (row % 8) + t holds its 32 values of the slice, adjacent, for rows r, r + 8, ... (the B operand's
+    columns as mma_v2 spreads them over its n-tiles)."""
+    more = [[8 << j, 0, 0, 0] for j in range(int(rows).bit_length() - 4)]
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 4], [0, 0, 1, 0], [0, 0, 2, 0]] + more,
+        lane_bases=[[0, 1, 0, 0], [0, 2, 0, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
+        warp_bases=[[0, 0, 0, 0], [0, 0, 0, 0]], block_bases=[], shape=[int(rows), 4, 4, 8])
+
+
+ACTIVATIONS = gl.constexpr(activations_layout(BM))
 # the MMA (m16n8k16, 4 warps along the weight rows) and its operands
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8]))
 A_OPERAND = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA.value, k_width=2))
