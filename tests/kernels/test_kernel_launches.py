@@ -1,8 +1,9 @@
 """Every Triton kernel is safe to launch programmatically (PDL, `kernels/triton/launch.py`): it waits for the
 kernels before it (`wait_for_inputs()`, its first statement) before touching memory, and every launch passes
 `launch_options()`. A kernel scheduled early without the wait could read what its predecessor has not written.
-Gluon kernels (fp4_mma.py, fp8_mma.py) have no grid-dependency wait, so they are never launched programmatically:
-they start after the kernel before them has finished, and the kernel after them waits for them as for any other."""
+Gluon kernels (fp4_mma.py, fp8_mma.py, fp32_mma.py) have no grid-dependency wait, so they are never launched
+programmatically: they start after the kernel before them has finished, and the kernel after them waits for them
+as for any other."""
 
 from __future__ import annotations
 
@@ -73,6 +74,6 @@ def test_every_launch_passes_the_launch_options():
 def test_gluon_kernels_are_launched_in_stream_order():
     gluon = [(name, fn, call) for kind, name, item in _kernels_and_launches() if kind == "gluon launch"
              for fn, call in [item]]
-    assert {name for name, _, _ in gluon} == {"fp4_mma.py", "fp8_mma.py"}
+    assert {name for name, _, _ in gluon} == {"fp4_mma.py", "fp8_mma.py", "fp32_mma.py"}
     early = [f"{name}:{fn.name}" for name, fn, call in gluon if _passes_launch_options(fn, call)]
     assert not early, f"Gluon kernels launched programmatically, without a wait for their inputs: {early}"

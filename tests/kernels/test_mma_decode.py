@@ -228,3 +228,48 @@ def test_cuda_fp8_linear_on_tensor_cores_is_the_exact_product_and_batch_invarian
     a, b = fp8_mma_linear(x[:3], w, s, torch.float32, second=(w2, s2))
     assert _rel(a, xq[:3] @ exact.t()) < 1e-5
     assert _rel(b, xq[:3] @ numerics.dequantize_fp8_weight(w2, s2).double().t()) < 1e-5
+
+
+# --- the fp32-weight linears (the head) ----------------------------------------------------------------------------
+
+def test_an_fp32_weight_is_three_bf16_pieces_exactly():
+    """fp32_mma.py's premise: hi = bf16(w), mid = bf16(w - hi), lo = bf16(w - hi - mid) sum to w exactly (and every
+    piece's product with a bf16 is exact in fp32), for every fp32 of magnitude in [2^-100, 2^127) and zero."""
+    bits = torch.randint(-2**31, 2**31 - 1, (2_000_000,), dtype=torch.int32, generator=_gen(3))
+    w = torch.cat([bits.view(torch.float32), torch.randn(100_000, generator=_gen(4)) * 0.02, torch.zeros(2)])
+    w = w[torch.isfinite(w) & (((w.abs() >= 2.0**-100) & (w.abs() < 2.0**127)) | (w == 0))]
+    hi = w.to(torch.bfloat16)
+    rest = w - hi.float()
+    mid = rest.to(torch.bfloat16)
+    lo = (rest - mid.float()).to(torch.bfloat16)
+    assert torch.equal(hi.double() + mid.double() + lo.double(), w.double())
+    assert (lo.float().abs() >= 2.0**-126).logical_or(lo == 0).all()  # no subnormal piece for the MMA to flush
+
+
+def test_fp32_weights_take_the_tensor_cores_only_for_bf16_rows_on_cuda(monkeypatch):
+    from modeling_deepseek_v41.kernels.triton import dense_linear, fp32_linear, linear
+    calls = []
+    monkeypatch.setattr(linear, "_fp32_mma", lambda rows, w: calls.append(rows.dtype) or
+                        torch.zeros(rows.shape[0], w.shape[0], device=rows.device))
+    monkeypatch.setattr(linear, "mma_linears_enabled", lambda: True)
+    w = torch.randn(48, 64, generator=_gen(5)).to(DEVICE)
+    x = torch.randn(3, 64, generator=_gen(6)).to(DEVICE)
+    dense_linear(x.to(torch.bfloat16), w)
+    fp32_linear(x.to(torch.bfloat16), w)
+    dense_linear(x, w)  # fp32 rows keep the CUDA cores
+    assert calls == ([torch.bfloat16] * 2 if CUDA else [])
+
+
+@pytest.mark.skipif(not CUDA, reason="Gluon kernels run on the GPU only")
+@pytest.mark.parametrize("n,k", [(129280, 5120), (384, 5120), (100, 96)])
+def test_cuda_fp32_weights_on_tensor_cores_multiply_exactly_and_batch_invariant(n, k):
+    from modeling_deepseek_v41.kernels.triton.fp32_mma import fp32_mma_linear
+    w = (torch.randn(n, k, device=DEVICE) * 0.02)
+    x = torch.randn(72, k, device=DEVICE).to(torch.bfloat16)
+    exact = x.double() @ w.double().t()
+    alone = fp32_mma_linear(x[:1], w)
+    for m in (1, 6, 8, 12, 32, 72):
+        got = fp32_mma_linear(x[:m], w)
+        assert _rel(got, exact[:m]) < 1e-6  # fp32 summation order only
+        assert torch.equal(got[:1], alone)
+        assert torch.equal(got[m - 1:m], fp32_mma_linear(x[m - 1:m], w))

@@ -17,7 +17,8 @@ Three regimes, chosen by the row count M only:
   in the same launch. With M <= BM every weight byte is read once per call.
 - with mma_choice.use_mma_linears on, FP8 weights at every decode size (M <= DECODE_MAX_ROWS) go through
   fp8_mma.py instead: mma.sync with the weights as the wide operand and 8-32 rows as the narrow one (no padding
-  of one row to a tile), batch invariant across all those sizes.
+  of one row to a tile), batch invariant across all those sizes; fp32 weights with bf16 rows (the head) through
+  fp32_mma.py (each weight as three exact bf16 pieces) instead of fp32_rows.py.
 - prefill (M > DECODE_MAX_ROWS): the weight is dequantized exactly to a bf16 scratch copy and multiplied by cuBLAS
   with the exactly QDQ'd activations (bf16 products are exact, accumulation fp32): compute-bound, so the copy
   costs little next to the GEMM. fp8_dot=True/False forces the Triton kernel at any M.
@@ -199,6 +200,20 @@ def _mma_linear(*args, **kwargs):
     return fp8_mma_linear(*args, **kwargs)
 
 
+def _fp32_weight_linear(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A decode-sized linear on an fp32 weight with true fp32 products: on the tensor cores (fp32_mma.py) for bf16
+    rows when switched on (mma_choice), else on the CUDA cores (fp32_rows.py)."""
+    if (mma_linears_enabled() and rows.is_cuda and rows.dtype == torch.bfloat16 and weight.dtype == torch.float32
+            and rows.shape[1] % 32 == 0 and weight.is_contiguous()):
+        return _fp32_mma(rows, weight)
+    return fp32_rows_linear(rows, weight)
+
+
+def _fp32_mma(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    from .fp32_mma import fp32_mma_linear  # Gluon, imported on the GPU path only
+    return fp32_mma_linear(rows, weight)
+
+
 def _quantized(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt: int, n: int, k: int,
                fp8_dot: bool | None) -> torch.Tensor:
     if x.shape[-1] != k:
@@ -306,7 +321,7 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if rows.shape[0] > DECODE_MAX_ROWS or weight.stride(-1) != 1:
         out = torch.nn.functional.linear(rows.float(), weight.float())
     else:
-        out = fp32_rows_linear(rows, weight)
+        out = _fp32_weight_linear(rows, weight)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -323,8 +338,8 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     rows = _rows(x, k)
     if rows.shape[0] > DECODE_MAX_ROWS:  # prefill-sized: cuBLAS
         out = torch.nn.functional.linear(rows.to(weight.dtype), weight)
-    elif weight.dtype == torch.float32:  # true fp32 products: CUDA cores, each weight read once
-        out = fp32_rows_linear(rows, weight)
+    elif weight.dtype == torch.float32:  # true fp32 products, each weight read once
+        out = _fp32_weight_linear(rows, weight)
     elif rows.shape[0] <= ROWS_MAX_ROWS:
         out = rows_linear(rows.to(weight.dtype), weight, None, FMT_DENSE, n, k, weight.dtype)
     else:

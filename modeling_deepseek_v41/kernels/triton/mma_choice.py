@@ -1,7 +1,7 @@
 """Which decode-sized products run on the tensor cores through Gluon's mma_v2: the routed experts (moe_mma.py over
-fp4_mma.py) and the FP8 linears of up to 8 rows (fp8_mma.py). Off unless asked for, until timed on the GPU:
-`DEEPSEEK_V41_MMA_MOE=1` / `DEEPSEEK_V41_MMA_LINEARS=1`, or `use_mma_moe(True)` / `use_mma_linears(True)`.
-CUDA graphs record whichever is on when they are recorded."""
+fp4_mma.py) and the linears (fp8_mma.py for FP8 weights, fp32_mma.py for fp32 weights with bf16 rows). Off unless
+asked for, until timed on the GPU: `DEEPSEEK_V41_MMA_MOE=1` / `DEEPSEEK_V41_MMA_LINEARS=1`, or `use_mma_moe(True)`
+/ `use_mma_linears(True)`. CUDA graphs record whichever is on when they are recorded."""
 
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ def use_mma_moe(enabled: bool) -> None:
 
 
 def use_mma_linears(enabled: bool) -> None:
-    """Route FP8 linears (and pairs) of up to 8 rows on CUDA through the tensor cores from now on (or not)."""
+    """Route decode-sized FP8 linears (and pairs) and fp32-weight linears of bf16 rows on CUDA through the tensor
+    cores from now on (or not)."""
     _chosen["linears"] = _checked(enabled)
 
 
