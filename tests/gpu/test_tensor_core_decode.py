@@ -1,7 +1,7 @@
-"""The tensor-core decode (kernels.triton.use_mma_moe / use_mma_linears: moe_mma.py, fp8_mma.py) in a whole quantized
-model on CUDA (skipped without one, or without Triton's Gluon), each switch alone and both: a k-token forward still
-equals k one-token steps bit for bit, graph-replayed steps equal the eager ones, and the logits stay within the
-fixtures' loose bounds of the committed formulations'."""
+"""The tensor-core decode (kernels.triton.use_mma_moe / use_mma_linears: moe_mma.py, fp8_mma.py, fp32_mma.py) in a
+whole quantized model on CUDA (skipped without one, or without Triton's Gluon), each switch alone and both: a k-token
+forward still equals k one-token steps bit for bit, graph-replayed steps equal the eager ones, with PDL as without,
+and the logits stay within the fixtures' loose bounds of the committed formulations'."""
 
 from __future__ import annotations
 
@@ -92,3 +92,31 @@ def test_graph_replayed_steps_equal_the_eager_ones(mma):
         got = [decoder.step(ids[:, t:t + 1])[0, -1] for t in range(prompt, ids.shape[1])]
         decoder.close()
     assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_programmatic_dependent_launch_gives_the_same_steps(mma):
+    """The Gluon kernels wait for their inputs as the Triton ones do (mma_common.wait_for_inputs): launched with
+    PDL, eager and graph-replayed steps equal the steps without it, bit for bit."""
+    from modeling_deepseek_v41.cache import DeepseekV41Cache
+    from modeling_deepseek_v41.kernels.triton import launch
+    from modeling_deepseek_v41.model.generation import DeepseekV41CUDAGraphDecoder
+    model = _quantized_model()
+    ids = _ids(model, 20, seed=2)
+    prompt = 10
+    with mma(), torch.no_grad():
+        cache = DeepseekV41Cache(model.config)
+        model(input_ids=ids[:, :prompt], cache=cache)
+        plain, eager, replayed = (copy.deepcopy(cache) for _ in range(3))
+        plain.make_static(ids.shape[1])
+        want = [model(input_ids=ids[:, t:t + 1], cache=plain).logits[0, -1] for t in range(prompt, ids.shape[1])]
+        launch.use_pdl(True)
+        try:
+            eager.make_static(ids.shape[1])
+            got = [model(input_ids=ids[:, t:t + 1], cache=eager).logits[0, -1] for t in range(prompt, ids.shape[1])]
+            decoder = DeepseekV41CUDAGraphDecoder(model, replayed, max_new_tokens=ids.shape[1] - prompt)
+            graphed = [decoder.step(ids[:, t:t + 1])[0, -1] for t in range(prompt, ids.shape[1])]
+            decoder.close()
+        finally:
+            launch.use_pdl(False)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert all(torch.equal(g, w) for g, w in zip(graphed, want))

@@ -1,9 +1,7 @@
 """Every Triton kernel is safe to launch programmatically (PDL, `kernels/triton/launch.py`): it waits for the
 kernels before it (`wait_for_inputs()`, its first statement) before touching memory, and every launch passes
 `launch_options()`. A kernel scheduled early without the wait could read what its predecessor has not written.
-Gluon kernels (fp4_mma.py, fp8_mma.py, fp32_mma.py) have no grid-dependency wait, so they are never launched
-programmatically: they start after the kernel before them has finished, and the kernel after them waits for them
-as for any other."""
+Gluon kernels (fp4_mma.py, fp8_mma.py, fp32_mma.py) follow the same rules, with mma_common's wait_for_inputs."""
 
 from __future__ import annotations
 
@@ -20,19 +18,13 @@ def _kernels_and_launches():
         for function in ast.walk(tree):
             if not isinstance(function, ast.FunctionDef):
                 continue
-            jit = [d for d in function.decorator_list if isinstance(d, ast.Attribute) and d.attr == "jit"]
-            if function.name.endswith("_kernel") and jit:
-                gluon = isinstance(jit[0].value, ast.Name) and jit[0].value.id == "gluon"
-                yield "gluon kernel" if gluon else "kernel", path.name, function
+            if function.name.endswith("_kernel") and any(
+                    isinstance(d, ast.Attribute) and d.attr == "jit" for d in function.decorator_list):
+                yield "kernel", path.name, function
             for node in ast.walk(function):
                 if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript) and \
                         isinstance(node.func.value, ast.Name) and node.func.value.id.endswith("_kernel"):
-                    gluon = path.name in _gluon_files()
-                    yield "gluon launch" if gluon else "launch", path.name, (function, node)
-
-
-def _gluon_files() -> set[str]:
-    return {path.name for path in TRITON.glob("*.py") if "@gluon.jit" in path.read_text(encoding="utf-8")}
+                    yield "launch", path.name, (function, node)
 
 
 def _first_statement(function: ast.FunctionDef) -> ast.stmt:
@@ -70,10 +62,3 @@ def test_every_launch_passes_the_launch_options():
     missing = [f"{name}:{fn.name}:{call.lineno}" for name, fn, call in launches if not _passes_launch_options(fn, call)]
     assert not missing, f"launches without launch_options(): {missing}"
 
-
-def test_gluon_kernels_are_launched_in_stream_order():
-    gluon = [(name, fn, call) for kind, name, item in _kernels_and_launches() if kind == "gluon launch"
-             for fn, call in [item]]
-    assert {name for name, _, _ in gluon} == {"fp4_mma.py", "fp8_mma.py", "fp32_mma.py"}
-    early = [f"{name}:{fn.name}" for name, fn, call in gluon if _passes_launch_options(fn, call)]
-    assert not early, f"Gluon kernels launched programmatically, without a wait for their inputs: {early}"

@@ -7,7 +7,8 @@ MMAs (m16n8k16) per 32 columns into one accumulator: the reference's math (in fl
 summation order aside. The weights are the MMA's wide operand: lane t reads columns 8t to 8t + 7 of each 32-column
 group as two 16-byte loads and the activations are read at the same columns (any k order serves a dot without
 scales), 8, 16 or 32 rows per program. A row's result is the same at every row count (each MMA output is its own
-row's dot; the split of K follows from the weight), so batch invariant. Launched in stream order (see fp4_mma.py).
+row's dot; the split of K follows from the weight), so batch invariant. Launched like the Triton kernels, PDL
+included.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from .fp8_mma import SPLIT_TARGET, block_rows
-from .mma_common import A_OPERAND, B_OPERAND, MMA, activations_layout, barrier
+from .mma_common import A_OPERAND, B_OPERAND, MMA, activations_layout, barrier, wait_for_inputs
 from .workspace import split_buffers
+from .launch import launch_options
 
 GROUP = 32  # columns per loop step
 _GROUP = gl.constexpr(GROUP)
@@ -39,6 +41,7 @@ def _fp32_mma_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, k_chun
                      stride_om, BN: gl.constexpr, BM: gl.constexpr):
     """out[m, n] = sum over k of x[m, k] w[n, k] (x bf16, w fp32, out fp32) for this program's BN weight rows, BM
     rows and split of K; the last program of a (tile, row block) sums the splits' partials in split order."""
+    wait_for_inputs()
     # [128 rows, 4 t, 8 i]: lane 4 (row % 8) + t holds rows r and r + 8 of its warp's 16-row tile (and + 64), its
     # 8 adjacent columns of the group
     WEIGHTS: gl.constexpr = gl.DistributedLinearLayout(
@@ -115,5 +118,5 @@ def fp32_mma_linear(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     part, count = split_buffers(splits, (m, n), tiles * row_blocks, rows.device)
     _fp32_mma_kernel[(tiles, splits, row_blocks)](rows, weight, out, part, count, m, n, k, per * GROUP, splits,
                                                   rows.stride(0), weight.stride(0), out.stride(0), BN=128, BM=bm,
-                                                  num_warps=4)
+                                                  num_warps=4, **launch_options())
     return out

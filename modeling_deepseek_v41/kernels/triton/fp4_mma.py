@@ -10,8 +10,8 @@ common.mma_position (quant.fp8_act_quant(mma_order=True)) with fp32 power-of-two
 product is exact and each group's fp32 dot is scaled by both scales. A row's sums do not depend on the block's
 other rows and the split of K is a constant: batch invariant.
 
-Launched without programmatic dependent launch (Gluon kernels do not wait on grid dependencies), so they start
-after the kernel before them has finished, as without PDL.
+Launched like the Triton kernels, programmatic dependent launch included: mma_common.wait_for_inputs issues
+the grid-dependency wait that Gluon has no op for.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from .common import _FP4_WORD_ASM
-from .mma_common import A_OPERAND, ACTIVATIONS, B_OPERAND, BM, MMA, SLICE, split_groups
+from .mma_common import A_OPERAND, ACTIVATIONS, B_OPERAND, BM, MMA, SLICE, split_groups, wait_for_inputs
+from .launch import launch_options
 
 _BM = gl.constexpr(BM)
 _SLICE = gl.constexpr(SLICE)
@@ -57,6 +58,7 @@ def _fp4_mma_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, pair_ptr, block_expert
     """out[split, r, n] = sum over this split's k of x[token(r), k] w[expert, n, k], fp32, for the block's rows
     (token(r) = pair(r) // top_k, or r itself). Tiles past `tiles1` take a second stack w2 (scales s2, the same
     strides) into columns N to N + N2."""
+    wait_for_inputs()
     XL: gl.constexpr = ACTIVATIONS
     # [128 rows, 4 t, 4 groups] words where the A fragments want them: lane 4 (row % 8) + t holds rows r and r + 8
     # of its warp's 16-row tile (and + 64), word t of each group
@@ -154,5 +156,5 @@ def fp4_mma_partials(x_codes: torch.Tensor, x_scales: torch.Tensor, w: torch.Ten
     _fp4_mma_kernel[grid](x_codes, x_scales, words, s, out, pairs, block_expert, block_start, block_end, p, n, k,
                           k_chunk, top_k, x_codes.stride(0), x_scales.stride(0), words.stride(0), words.stride(1),
                           s.stride(0), s.stride(1), words2, s2, n2, tiles1, BN=128, WORD_ASM=_FP4_WORD_ASM.value,
-                          ROWS_ARE_TOKENS=pair_of_row is None, num_warps=4)
+                          ROWS_ARE_TOKENS=pair_of_row is None, num_warps=4, **launch_options())
     return out

@@ -10,7 +10,7 @@ power-of-two scales per 32 columns: exact products, each group's fp32 dot scaled
 only and is summed in split order by the last program of each tile and row block (the rows kernel's arrive-last
 scheme), so a row's result does not depend on the other rows or their count: batch invariant at every decode size.
 Offline (sm_90, Triton 3.6): 2.0 SASS instructions per weight byte for 8 rows, against 3.5 for the CUDA-core rows
-kernel at one row and 11.1 at six. Launched without programmatic dependent launch (see fp4_mma.py).
+kernel at one row and 11.1 at six. Launched like the Triton kernels, PDL included (mma_common.wait_for_inputs).
 """
 
 from __future__ import annotations
@@ -21,9 +21,11 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from .mma_common import A_OPERAND, B_OPERAND, MMA, SLICE, activations_layout, barrier, split_groups
+from .mma_common import (A_OPERAND, B_OPERAND, MMA, SLICE, activations_layout, barrier, split_groups,
+                         wait_for_inputs)
 from .quant import fp8_act_quant
 from .workspace import split_buffers
+from .launch import launch_options
 
 _SLICE = gl.constexpr(SLICE)
 # rows per program by the call's rows (offline sm_90: 260 / 372 / 603 SASS instructions per 128-column slice,
@@ -74,6 +76,7 @@ def _fp8_mma_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M
     program of a (tile, row block) sums the splits' partials in split order. Tiles past `tiles1` take a second
     weight w2 [N2, K] (scales s2, output out2, the same strides) on the same rows. A row's sums are the same at any
     BM (each MMA output is its own row's dot): batch invariant."""
+    wait_for_inputs()
     # [128 rows, 4 t, 4 groups, 2 words]: lane 4 (row % 8) + t holds rows r and r + 8 of its warp's 16-row tile
     # (and + 64), its 8 bytes of each group
     WORDS: gl.constexpr = gl.DistributedLinearLayout(
@@ -174,5 +177,6 @@ def fp8_mma_linear(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     s, s2 = scale.view(torch.uint8), s2.view(torch.uint8)
     _fp8_mma_kernel[(tiles, splits, row_blocks)](codes, xs, words, s, out, part, count, m, n, k, per * SLICE, splits,
                                                  codes.stride(0), xs.stride(0), words.stride(0), s.stride(0), words2,
-                                                 s2, out2, n2, tiles1, BN=128, BM=bm, num_warps=4)
+                                                 s2, out2, n2, tiles1, BN=128, BM=bm, num_warps=4,
+                                                 **launch_options())
     return (out, out2) if second is not None else out

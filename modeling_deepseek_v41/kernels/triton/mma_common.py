@@ -1,5 +1,5 @@
-"""What the Gluon tensor-core decode kernels share (fp4_mma.py, fp8_mma.py). Imports Gluon: reached on the GPU
-path only."""
+"""What the Gluon tensor-core decode kernels share (fp4_mma.py, fp8_mma.py, fp32_mma.py). Imports Gluon: reached on
+the GPU path only."""
 
 from __future__ import annotations
 
@@ -31,6 +31,15 @@ ACTIVATIONS = gl.constexpr(activations_layout(BM))
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8]))
 A_OPERAND = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA.value, k_width=2))
 B_OPERAND = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA.value, k_width=2))
+
+
+@gluon.jit
+def wait_for_inputs():
+    """launch.wait_for_inputs for Gluon kernels, which (3.6) have no grid-dependency ops: the same two instructions
+    (offline sm_90: ACQBULK, PREEXIT, as Triton's gdc_wait and gdc_launch_dependents compile), so these kernels
+    launch with PDL like the others. Non-pure, so it is kept though its result is unused."""
+    gl.inline_asm_elementwise("griddepcontrol.wait;\ngriddepcontrol.launch_dependents;\nmov.u32 $0, 0;", "=r,r",
+                              [gl.program_id(0)], gl.int32, False, 1)
 
 
 @gluon.jit
