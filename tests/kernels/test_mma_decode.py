@@ -40,12 +40,12 @@ def _mma_columns(k):
 
 
 def _dense_partials(x_codes, x_scales, w, scales, pair_of_row, top_k, block_expert, block_start, block_end, k_chunk,
-                    second=None):
+                    block_rows, second=None):
     """fp4_mma_partials' contract computed densely: per K chunk, each sorted row's product with its expert's
     dequantized weight (columns of the second stack after the first's)."""
     if second is not None:
         return torch.cat([_dense_partials(x_codes, x_scales, ww, ss, pair_of_row, top_k, block_expert, block_start,
-                                          block_end, k_chunk) for ww, ss in ((w, scales), second)], dim=-1)
+                                          block_end, k_chunk, block_rows) for ww, ss in ((w, scales), second)], dim=-1)
     e, n, half_k = w.shape
     k = half_k * 2
     x = x_codes[:, _mma_columns(k).to(x_codes.device)].double() * x_scales.double().repeat_interleave(32, dim=1)
@@ -133,19 +133,27 @@ def test_the_formulation_is_asked_for_or_switched_on(monkeypatch):
 # --- the Gluon products on the GPU -----------------------------------------------------------------------------
 
 @pytest.mark.skipif(not CUDA, reason="Gluon kernels run on the GPU only")
-@pytest.mark.parametrize("e,t", [(8, 1), (32, 6), (32, 32), (384, 32)])
+@pytest.mark.parametrize("e,t", [(8, 1), (32, 6), (32, 32), (384, 32), (32, 256)])
 def test_cuda_products_keep_their_contract_at_released_shapes(e, t):
-    from modeling_deepseek_v41.kernels.triton.fp4_mma import BM, fp4_mma_partials
+    """At every block size a row's products are its own (8, 16 and 32 rows give the same bits) and equal the dense
+    contract up to fp32 summation order."""
+    from modeling_deepseek_v41.kernels.triton.fp4_mma import fp4_mma_partials
     from modeling_deepseek_v41.kernels.triton.moe_schedule import moe_schedule
     n, k, top_k = 2304, 5120, 6
     w1, s1, w3, s3, _, _ = _experts_on_device(e, k, n)
     x = torch.randn(t, k, device=DEVICE).to(torch.bfloat16)
     experts, _ = _routing(t, e, top_k, seed=t)
-    pair_of_row, *blocks, _ = moe_schedule(experts, e, BM)
     codes, xs = fp8_act_quant(x, torch.float16, mma_order=True)
-    got = fp4_mma_partials(codes, xs, w1, s1, pair_of_row, top_k, *blocks, 1280, second=(w3, s3))
-    want = _dense_partials(codes, xs, w1, s1, pair_of_row, top_k, *blocks, 1280, second=(w3, s3))
-    assert _rel(got.sum(0), want.sum(0)) < 1e-5
+    by_rows = {}
+    for block_rows in (8, 16, 32):
+        pair_of_row, *blocks, _ = moe_schedule(experts, e, block_rows)
+        got = fp4_mma_partials(codes, xs, w1, s1, pair_of_row, top_k, *blocks, 1280, block_rows, second=(w3, s3))
+        by_rows[block_rows] = got  # sorted rows: the schedule's order does not depend on the block size
+        if block_rows == 8:
+            want = _dense_partials(codes, xs, w1, s1, pair_of_row, top_k, *blocks, 1280, block_rows,
+                                   second=(w3, s3))
+            assert _rel(got.sum(0), want.sum(0)) < 1e-5
+    assert torch.equal(by_rows[8], by_rows[16]) and torch.equal(by_rows[8], by_rows[32])
 
 
 def _experts_on_device(e, d, inter):
@@ -161,9 +169,11 @@ def _experts_on_device(e, d, inter):
 def test_cuda_mma_moe_is_batch_invariant_capturable_and_close_to_the_rows():
     e, d, inter, top_k, t = 32, 5120, 2304, 6, 6
     stacks = _experts_on_device(e, d, inter)
-    tokens = torch.randn(t, d, device=DEVICE).to(torch.bfloat16)
-    experts, weights = _routing(t, e, top_k, seed=11)
+    many = torch.randn(64, d, device=DEVICE).to(torch.bfloat16)  # 64 tokens: blocks of 16 rows, 6 tokens: of 8
+    many_experts, many_weights = _routing(64, e, top_k, seed=11)
+    tokens, experts, weights = many[:t], many_experts[:t], many_weights[:t]
     full = grouped_moe(tokens, experts, weights, *stacks, limit=10.0, mma=True)
+    assert torch.equal(grouped_moe(many, many_experts, many_weights, *stacks, limit=10.0, mma=True)[:t], full)
     for i in range(t):
         alone = grouped_moe(tokens[i:i + 1], experts[i:i + 1], weights[i:i + 1], *stacks, limit=10.0, mma=True)
         assert torch.equal(alone, full[i:i + 1])

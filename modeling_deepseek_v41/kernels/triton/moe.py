@@ -25,7 +25,7 @@ from .fp4_dot import fp4_scaled_dot, slice_width
 from .linear import _TL_DTYPES, dot_dtype_for, launch_tile
 from .moe_grouped_gemm import grouped_gemm_moe, grouped_gemm_pays
 from .mma_choice import mma_moe_enabled
-from .moe_mma import MMA_BLOCK_ROWS, mma_moe
+from .moe_mma import mma_block_rows, mma_moe
 from .moe_rows import ROWS_TILE, rows_moe, rows_per_expert
 from .moe_schedule import moe_schedule
 from .moe_swiglu import swiglu_store
@@ -219,7 +219,7 @@ def grouped_moe(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
     grouped_gemm (default: packed FP4 experts and bf16 tokens past the decode regime where moe_grouped_gemm's
     grouped_gemm_pays): the experts dequantized to bf16 once and torch's grouped GEMM, the same exact numbers.
     mma (default: with mma_choice.use_mma_moe on, packed FP4 experts on CUDA up to MOE_DECODE_MAX_TOKENS tokens, no
-    other formulation asked for): the products on the tensor cores in blocks of up to 8 rows of one expert
+    other formulation asked for): the products on the tensor cores in blocks of 8 to 32 rows of one expert
     (moe_mma.py, fp4_mma.py), the rows formulation's numbers up to fp32 summation order, batch invariant.
     `tile`/`k_chunks` override the regime's tiling and decode splits (benchmarks only)."""
     if tokens.dim() != 2 or experts.dim() != 2 or experts.shape[0] != tokens.shape[0]:
@@ -251,8 +251,10 @@ def grouped_moe(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
         raise ValueError("mma takes packed FP4 experts and excludes the other formulations and tilings")
     route = weights.reshape(-1).to(torch.float32).contiguous()
     if mma:
-        *schedule, order = moe_schedule(experts, n_experts, MMA_BLOCK_ROWS)
-        contributions = mma_moe(tokens.contiguous(), route, schedule, w1, s1, w3, s3, w2, s2, limit, top_k)
+        block_rows = mma_block_rows(t, top_k, n_experts)
+        *schedule, order = moe_schedule(experts, n_experts, block_rows)
+        contributions = mma_moe(tokens.contiguous(), route, schedule, block_rows, w1, s1, w3, s3, w2, s2, limit,
+                                top_k)
         return _combine(contributions, order, shared)
     if rows is None:
         rows = (t <= rows_token_limit(top_k, n_experts) and fmt == FMT_FP4_ROW and not fp8_dot

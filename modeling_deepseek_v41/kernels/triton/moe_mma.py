@@ -1,6 +1,6 @@
 """The routed experts at decode sizes through the tensor-core products of fp4_mma.py: the launches around them.
 
-Five launches for a call's contributions (after the schedule): the tokens' FP8 QDQ at mma_position, the up and
+Five launches for a call's contributions (after the schedule, in blocks of 8, 16 or 32 rows of one expert): the tokens' FP8 QDQ at mma_position, the up and
 gate projections in one (w1's tiles, then w3's), the split sums with the SwiGLU and h's QDQ (written at
 mma_position), the down projection, its split sums rounded to the activation dtype and placed by pair; moe.py
 combines them. The numbers are moe_rows.py's (the reference's roundings and clamps) up to fp32 summation order.
@@ -15,11 +15,11 @@ import triton.language as tl
 
 from .common import cast, mma_position
 from .linear import _TL_DTYPES
+from .moe_rows import rows_per_expert
 from .moe_swiglu import swiglu_store
 from .quant import fp8_act_quant
 from .launch import launch_options, wait_for_inputs
 
-MMA_BLOCK_ROWS = 8  # fp4_mma.BM, without importing Gluon on the CPU
 MMA_K_CHUNK = {"up": 1280, "down": 1152}  # K columns per split: constants, so the split count is the shapes'
 FINISH_BN = 128  # h columns per finishing program: whole 128-column slices, so mma_position stays in the tile
 
@@ -88,24 +88,33 @@ def down_finish(part: torch.Tensor, pair_of_row: torch.Tensor, act_dtype: torch.
     return out
 
 
+def mma_block_rows(tokens: int, top_k: int, n_experts: int) -> int:
+    """The rows of one expert a program multiplies (the MMA's N: 8, 16 or 32), from the rows a chosen expert sees
+    under uniform routing: a block reads its expert once. Any choice gives a row the same sums."""
+    rows = rows_per_expert(tokens, top_k, n_experts)
+    return 8 if rows <= 8 else 16 if rows <= 16 else 32
+
+
 def _mma_partials(*args, **kwargs) -> torch.Tensor:
     from .fp4_mma import fp4_mma_partials  # Gluon, imported on the GPU path only
     return fp4_mma_partials(*args, **kwargs)
 
 
-def mma_moe(tokens: torch.Tensor, route: torch.Tensor, schedule: tuple, w1: torch.Tensor, s1: torch.Tensor,
-            w3: torch.Tensor, s3: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, limit: float, top_k: int
-            ) -> torch.Tensor:
+def mma_moe(tokens: torch.Tensor, route: torch.Tensor, schedule: tuple, block_rows: int, w1: torch.Tensor,
+            s1: torch.Tensor, w3: torch.Tensor, s3: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, limit: float,
+            top_k: int) -> torch.Tensor:
     """The contributions [pairs, D] (activation dtype) of every (token, expert) pair, for moe.grouped_moe, as
     moe_rows.rows_moe gives them. schedule: moe_schedule's (pair_of_row, block_expert, block_start, block_end) for
-    MMA_BLOCK_ROWS-row blocks; w1, w3 [E, I, D/2] and w2 [E, D, I/2] packed FP4 with E8M0 scales [E, N, K/32]."""
+    blocks of block_rows rows (mma_block_rows); w1, w3 [E, I, D/2] and w2 [E, D, I/2] packed FP4 with E8M0 scales
+    [E, N, K/32]."""
     if tokens.shape[1] % 128 or w1.shape[1] % 128:
         raise ValueError(f"the tensor-core MoE decode takes hidden ({tokens.shape[1]}) and intermediate "
                          f"({w1.shape[1]}) sizes divisible by 128")
     pair_of_row, block_expert, block_start, block_end = schedule
     codes, xs = fp8_act_quant(tokens, torch.float16, mma_order=True)
     blocks = (block_expert, block_start, block_end)
-    gate_up = _mma_partials(codes, xs, w1, s1, pair_of_row, top_k, *blocks, MMA_K_CHUNK["up"], second=(w3, s3))
+    gate_up = _mma_partials(codes, xs, w1, s1, pair_of_row, top_k, *blocks, MMA_K_CHUNK["up"], block_rows,
+                            second=(w3, s3))
     h, hs = up_finish(gate_up, route, pair_of_row, limit, tokens.dtype)
-    down = _mma_partials(h, hs, w2, s2, None, top_k, *blocks, MMA_K_CHUNK["down"])
+    down = _mma_partials(h, hs, w2, s2, None, top_k, *blocks, MMA_K_CHUNK["down"], block_rows)
     return down_finish(down, pair_of_row, tokens.dtype)
