@@ -1,17 +1,17 @@
 """The grouped FP4 experts' products at decode sizes on the tensor cores (Gluon, Hopper's mma.sync).
 
 Per program: one block of up to 8, 16 or 32 sorted rows of one expert, 128 weight rows, one split of K. mma_v2
-(m16n8k16, fp16 in, fp32 accumulators) takes the weights as A and the block's rows as B, so a lane holds, per
-32-column group, one int32 word (8 values) of each of two weight rows, and turns it into eight fp16 values (the
-e2m1 values x 2^-6, exactly) with no data movement between lanes: the unpacking does not grow with the rows, where
-the CUDA-core rows formulation pays an FMA per weight per row. Lane t reads word t of each group as shipped
-(columns 8t to 8t + 7), so each MMA group stays in one scale group; the activations arrive as their e4m3 values in fp16 at
-common.mma_position (quant.fp8_act_quant(mma_order=True)) with fp32 power-of-two scales per 32 columns, so every
-product is exact and each group's fp32 dot is scaled by both scales. A row's sums do not depend on the block's
-other rows or on its size (each MMA output is its own row's dot) and the split of K is a constant: batch invariant.
+(m16n8k16, fp16 in, fp32 accumulators) takes the weights as A and the block's rows as B, so a lane holds, per 32-column
+group, one int32 word (8 values) of each of two weight rows, and turns it into eight fp16 values (the e2m1 values x
+2^-6, exactly) with no data movement between lanes: the unpacking does not grow with the rows, where the CUDA-core rows
+formulation pays an FMA per weight per row. Lane t reads word t of each group as shipped (columns 8t to 8t + 7), so each
+MMA group stays in one scale group; the activations arrive as their e4m3 values in fp16 at common.mma_position
+(quant.fp8_act_quant(mma_order=True)) with fp32 power-of-two scales per 32 columns, so every product is exact and each
+group's fp32 dot is scaled by both scales. A row's sums do not depend on the block's other rows or on its size (each MMA
+output is its own row's dot) and the split of K is a constant: batch invariant.
 
-Launched like the Triton kernels, programmatic dependent launch included: mma_common.wait_for_inputs issues
-the grid-dependency wait that Gluon has no op for.
+Launched like the Triton kernels, programmatic dependent launch included: mma_common.wait_for_inputs issues the
+grid-dependency wait that Gluon has no op for.
 """
 
 from __future__ import annotations

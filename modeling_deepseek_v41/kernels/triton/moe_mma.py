@@ -1,10 +1,10 @@
 """The routed experts at decode sizes through the tensor-core products of fp4_mma.py: the launches around them.
 
-Five launches for a call's contributions (after the schedule, in blocks of 8, 16 or 32 rows of one expert): the
-tokens' FP8 QDQ at mma_position, the up and gate projections in one (w1's tiles, then w3's), the split sums with
-the SwiGLU and h's QDQ (written at mma_position), the down projection, its split sums rounded to the activation
-dtype and placed by pair; moe.py combines them. The numbers are moe_rows.py's (the reference's roundings and clamps) up to fp32 summation order.
-Off unless asked for (mma_choice.py).
+Five launches for a call's contributions (after the schedule, in blocks of 8, 16 or 32 rows of one expert): the tokens'
+FP8 QDQ at mma_position, the up and gate projections in one (w1's tiles, then w3's), the split sums with the SwiGLU and
+h's QDQ (written at mma_position), the down projection, its split sums rounded to the activation dtype and placed by
+pair; moe.py combines them. The numbers are moe_rows.py's (the reference's roundings and clamps) up to fp32 summation
+order. Off unless asked for (mma_choice.py).
 """
 
 from __future__ import annotations
