@@ -1,7 +1,7 @@
 """Every Triton kernel is safe to launch programmatically (PDL, `kernels/triton/launch.py`): it waits for the
 kernels before it (`wait_for_inputs()`, its first statement) before touching memory, and every launch passes
 `launch_options()`. A kernel scheduled early without the wait could read what its predecessor has not written.
-Gluon kernels (fp4_mma.py, fp8_mma.py, fp32_mma.py) follow the same rules, with mma_common's wait_for_inputs."""
+Gluon kernels (fp4_mma.py, fp8_mma.py, dense_mma.py) follow the same rules, with mma_common's wait_for_inputs."""
 
 from __future__ import annotations
 

@@ -240,10 +240,10 @@ def test_cuda_fp8_linear_on_tensor_cores_is_the_exact_product_and_batch_invarian
     assert _rel(b, xq[:3] @ numerics.dequantize_fp8_weight(w2, s2).double().t()) < 1e-5
 
 
-# --- the fp32-weight linears (the head) ----------------------------------------------------------------------------
+# --- the dense linears: fp32 weights (the head) and bf16 ones -------------------------------------------------------
 
 def test_an_fp32_weight_is_three_bf16_pieces_exactly():
-    """fp32_mma.py's premise: hi = bf16(w), mid = bf16(w - hi), lo = bf16(w - hi - mid) sum to w exactly (and every
+    """dense_mma.py's premise: hi = bf16(w), mid = bf16(w - hi), lo = bf16(w - hi - mid) sum to w exactly (and every
     piece's product with a bf16 is exact in fp32), for every fp32 of magnitude in [2^-100, 2^127) and zero."""
     bits = torch.randint(-2**31, 2**31 - 1, (2_000_000,), dtype=torch.int32, generator=_gen(3))
     w = torch.cat([bits.view(torch.float32), torch.randn(100_000, generator=_gen(4)) * 0.02, torch.zeros(2)])
@@ -256,30 +256,46 @@ def test_an_fp32_weight_is_three_bf16_pieces_exactly():
     assert (lo.float().abs() >= 2.0**-126).logical_or(lo == 0).all()  # no subnormal piece for the MMA to flush
 
 
-def test_fp32_weights_take_the_tensor_cores_only_for_bf16_rows_on_cuda(monkeypatch):
-    from modeling_deepseek_v41.kernels.triton import dense_linear, fp32_linear, linear
+def test_dense_weights_take_the_tensor_cores_only_on_cuda_for_their_operand_dtype(monkeypatch):
+    from modeling_deepseek_v41.kernels.triton import dense_linear, fp32_linear, linear, linear_pair
     calls = []
-    monkeypatch.setattr(linear, "_fp32_mma", lambda rows, w: calls.append(rows.dtype) or
-                        torch.zeros(rows.shape[0], w.shape[0], device=rows.device))
+
+    def recorded(rows, w, second=None):
+        calls.append((rows.dtype, w.dtype, second is not None))
+        out = torch.zeros(rows.shape[0], w.shape[0], device=rows.device,
+                          dtype=torch.float32 if w.dtype == torch.float32 else w.dtype)
+        return out if second is None else (out, torch.zeros(rows.shape[0], second.shape[0], device=rows.device,
+                                                            dtype=out.dtype))
+
+    monkeypatch.setattr(linear, "_dense_mma", recorded)
     monkeypatch.setattr(linear, "mma_linears_enabled", lambda: True)
     w = torch.randn(48, 64, generator=_gen(5)).to(DEVICE)
     x = torch.randn(3, 64, generator=_gen(6)).to(DEVICE)
-    dense_linear(x.to(torch.bfloat16), w)
+    dense_linear(x.to(torch.bfloat16), w)  # the head: bf16 rows, fp32 weight
     fp32_linear(x.to(torch.bfloat16), w)
-    dense_linear(x, w)  # fp32 rows keep the CUDA cores
-    assert calls == ([torch.bfloat16] * 2 if CUDA else [])
+    dense_linear(x, w)  # fp32 rows keep the CUDA cores (they would need more than one bf16 piece)
+    dense_linear(x, w.to(torch.bfloat16))  # the bf16 weight mode: rows cast to the weight's dtype
+    linear_pair(x, (w.to(torch.bfloat16), None), (w[:32].to(torch.bfloat16), None))
+    dense_linear(x[:, :48], w[:, :48].contiguous().to(torch.bfloat16))  # K 48: not whole groups, the rows kernel
+    want = [(torch.bfloat16, torch.float32, False)] * 2 + [(torch.bfloat16, torch.bfloat16, False),
+                                                          (torch.bfloat16, torch.bfloat16, True)]
+    assert calls == (want if CUDA else [])
 
 
 @pytest.mark.skipif(not CUDA, reason="Gluon kernels run on the GPU only")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n,k", [(129280, 5120), (384, 5120), (100, 96)])
-def test_cuda_fp32_weights_on_tensor_cores_multiply_exactly_and_batch_invariant(n, k):
-    from modeling_deepseek_v41.kernels.triton.fp32_mma import fp32_mma_linear
-    w = (torch.randn(n, k, device=DEVICE) * 0.02)
+def test_cuda_dense_weights_on_tensor_cores_multiply_exactly_and_batch_invariant(n, k, dtype):
+    from modeling_deepseek_v41.kernels.triton.dense_mma import dense_mma_linear
+    w = (torch.randn(n, k, device=DEVICE) * 0.02).to(dtype)
     x = torch.randn(72, k, device=DEVICE).to(torch.bfloat16)
     exact = x.double() @ w.double().t()
-    alone = fp32_mma_linear(x[:1], w)
+    bound = 1e-6 if dtype == torch.float32 else 4e-3  # fp32 summation order; for bf16 outputs, their rounding
+    alone = dense_mma_linear(x[:1], w)
     for m in (1, 6, 8, 12, 32, 72):
-        got = fp32_mma_linear(x[:m], w)
-        assert _rel(got, exact[:m]) < 1e-6  # fp32 summation order only
+        got = dense_mma_linear(x[:m], w)
+        assert _rel(got, exact[:m]) < bound
         assert torch.equal(got[:1], alone)
-        assert torch.equal(got[m - 1:m], fp32_mma_linear(x[m - 1:m], w))
+        assert torch.equal(got[m - 1:m], dense_mma_linear(x[m - 1:m], w))
+    a, b = dense_mma_linear(x[:3], w, second=w[: n // 2 + 1].contiguous())
+    assert _rel(a, exact[:3]) < bound and _rel(b, exact[:3, : n // 2 + 1]) < bound

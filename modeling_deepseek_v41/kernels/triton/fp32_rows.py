@@ -1,6 +1,6 @@
 """Decode-sized linears on fp32 weights (the head, the compressors' projections): true fp32 products on CUDA cores.
 
-A plain tensor-core dot cannot multiply fp32 exactly (fp32_mma.py does, for bf16 rows, with each weight split
+A plain tensor-core dot cannot multiply fp32 exactly (dense_mma.py does, for bf16 rows, with each weight split
 into three bf16 pieces; off until timed), and Triton's fp32 dot on CUDA cores stages its operands through shared
 memory for every padded token column: the 129,280 x 5,120 head took 6.1 ms at one row (11x its bytes). Here
 each program streams a [BN, BK] weight tile once and multiplies it into BM token rows held in registers: every

@@ -17,8 +17,8 @@ Three regimes, chosen by the row count M only:
   in the same launch. With M <= BM every weight byte is read once per call.
 - with mma_choice.use_mma_linears on, FP8 weights at every decode size (M <= DECODE_MAX_ROWS) go through
   fp8_mma.py instead: mma.sync with the weights as the wide operand and 8-32 rows as the narrow one (no padding
-  of one row to a tile), batch invariant across all those sizes; fp32 weights with bf16 rows (the head) through
-  fp32_mma.py (each weight as three exact bf16 pieces) instead of fp32_rows.py.
+  of one row to a tile), batch invariant across all those sizes; dense weights through dense_mma.py (bf16/fp16,
+  and fp32 ones with bf16 rows, the head, each weight as three exact bf16 pieces, instead of fp32_rows.py).
 - prefill (M > DECODE_MAX_ROWS): the weight is dequantized exactly to a bf16 scratch copy and multiplied by cuBLAS
   with the exactly QDQ'd activations (bf16 products are exact, accumulation fp32): compute-bound, so the copy
   costs little next to the GEMM. fp8_dot=True/False forces the Triton kernel at any M.
@@ -200,18 +200,25 @@ def _mma_linear(*args, **kwargs):
     return fp8_mma_linear(*args, **kwargs)
 
 
+def _dense_on_tensor_cores(rows: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether a decode-sized dense linear (or pair) goes through dense_mma.py (mma_choice): bf16 rows with fp32
+    weights, or rows of the weights' bf16/fp16 dtype; K a multiple of 32, contiguous."""
+    operand = torch.bfloat16 if weights[0].dtype == torch.float32 else weights[0].dtype
+    return (mma_linears_enabled() and rows.is_cuda and rows.dtype == operand and rows.shape[1] % 32 == 0
+            and all(w.is_contiguous() and w.dtype == weights[0].dtype for w in weights))
+
+
+def _dense_mma(*args, **kwargs):
+    from .dense_mma import dense_mma_linear  # Gluon, imported on the GPU path only
+    return dense_mma_linear(*args, **kwargs)
+
+
 def _fp32_weight_linear(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """A decode-sized linear on an fp32 weight with true fp32 products: on the tensor cores (fp32_mma.py) for bf16
+    """A decode-sized linear on an fp32 weight with true fp32 products: on the tensor cores (dense_mma.py) for bf16
     rows when switched on (mma_choice), else on the CUDA cores (fp32_rows.py)."""
-    if (mma_linears_enabled() and rows.is_cuda and rows.dtype == torch.bfloat16 and weight.dtype == torch.float32
-            and rows.shape[1] % 32 == 0 and weight.is_contiguous()):
-        return _fp32_mma(rows, weight)
+    if _dense_on_tensor_cores(rows, weight):
+        return _dense_mma(rows, weight)
     return fp32_rows_linear(rows, weight)
-
-
-def _fp32_mma(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    from .fp32_mma import fp32_mma_linear  # Gluon, imported on the GPU path only
-    return fp32_mma_linear(rows, weight)
 
 
 def _quantized(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt: int, n: int, k: int,
@@ -287,6 +294,8 @@ def linear_pair(x: torch.Tensor, first: tuple[torch.Tensor, torch.Tensor | None]
     n1, n2 = w1.shape[0], w2.shape[0]
     if quantized and _on_tensor_cores(rows, w1, w2):
         out1, out2 = _mma_linear(rows, w1, s1, x.dtype, second=(w2, s2))
+    elif not quantized and _dense_on_tensor_cores(rows.to(w1.dtype), w1, w2):
+        out1, out2 = _dense_mma(rows.to(w1.dtype), w1, second=w2)
     elif rows.shape[0] <= ROWS_MAX_ROWS:
         fmt, operand, out_dtype = (FMT_FP8_TILE, rows, x.dtype) if quantized else \
             (FMT_DENSE, rows.to(w1.dtype), w1.dtype)
@@ -340,6 +349,8 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         out = torch.nn.functional.linear(rows.to(weight.dtype), weight)
     elif weight.dtype == torch.float32:  # true fp32 products, each weight read once
         out = _fp32_weight_linear(rows, weight)
+    elif _dense_on_tensor_cores(rows.to(weight.dtype), weight):
+        out = _dense_mma(rows.to(weight.dtype), weight)
     elif rows.shape[0] <= ROWS_MAX_ROWS:
         out = rows_linear(rows.to(weight.dtype), weight, None, FMT_DENSE, n, k, weight.dtype)
     else:

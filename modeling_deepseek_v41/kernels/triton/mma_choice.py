@@ -1,7 +1,7 @@
 """Which decode-sized products run on the tensor cores through Gluon's mma_v2: the routed experts (moe_mma.py over
-fp4_mma.py) and the linears (fp8_mma.py for FP8 weights, fp32_mma.py for fp32 weights with bf16 rows). Off unless
-asked for, until timed on the GPU: `DEEPSEEK_V41_MMA_MOE=1` / `DEEPSEEK_V41_MMA_LINEARS=1`, or `use_mma_moe(True)`
-/ `use_mma_linears(True)`. CUDA graphs record whichever is on when they are recorded."""
+fp4_mma.py) and the linears (fp8_mma.py for FP8 weights, dense_mma.py for bf16/fp16 weights and fp32 ones with bf16
+rows). Off unless asked for, until timed on the GPU: `DEEPSEEK_V41_MMA_MOE=1` / `DEEPSEEK_V41_MMA_LINEARS=1`, or
+`use_mma_moe(True)` / `use_mma_linears(True)`. CUDA graphs record whichever is on when they are recorded."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What the Gluon tensor-core decode kernels share (fp4_mma.py, fp8_mma.py, fp32_mma.py). Imports Gluon: reached on
+"""What the Gluon tensor-core decode kernels share (fp4_mma.py, fp8_mma.py, dense_mma.py). Imports Gluon: reached on
 the GPU path only."""
 
 from __future__ import annotations
