@@ -1,4 +1,4 @@
-"""The tensor-core decode (kernels.triton.use_mma_moe / use_mma_linears: moe_mma.py, fp8_mma.py, fp32_mma.py) in a
+"""The tensor-core decode (kernels.triton.use_mma_moe / use_mma_linears: moe_mma.py, fp8_mma.py, dense_mma.py) in a
 whole quantized model on CUDA (skipped without one, or without Triton's Gluon), each switch alone and both: a k-token
 forward still equals k one-token steps bit for bit, graph-replayed steps equal the eager ones, with PDL as without,
 and the logits stay within the fixtures' loose bounds of the committed formulations'."""
