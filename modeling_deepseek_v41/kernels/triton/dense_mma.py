@@ -22,7 +22,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from .fp8_mma import SPLIT_TARGET, block_rows
-from .mma_common import A_OPERAND, B_OPERAND, MMA, activations_layout, barrier, wait_for_inputs
+from .mma_common import A_OPERAND, B_OPERAND, MMA, activations_layout, store_split, wait_for_inputs
 from .workspace import split_buffers
 from .launch import launch_options
 
@@ -92,21 +92,7 @@ def _dense_mma_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, k_chu
             acc = mma_v2(_as_operand(lo, BN), xg, acc)
         else:
             acc = mma_v2(_as_operand(w, BN), xg, acc)
-    offs = r_c[None, :].to(gl.int64) * N + n_c[:, None]  # the outputs are contiguous [M, N]
-    ok = (r_c < M)[None, :] & (n_c < N)[:, None]
-    if splits == 1:
-        gl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
-    else:
-        gl.store(part_ptr + pid_s * M * N + offs, acc, mask=ok)
-        barrier()
-        counter = count_ptr + gl.program_id(0) * gl.num_programs(2) + gl.program_id(2)
-        ticket = gl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if ticket == splits - 1:
-            gl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-            total = gl.load(part_ptr + offs, mask=ok, other=0.0, cache_modifier=".cg")
-            for s in range(1, splits):
-                total += gl.load(part_ptr + s * M * N + offs, mask=ok, other=0.0, cache_modifier=".cg")
-            gl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=ok)
+    store_split(acc, out_ptr, part_ptr, count_ptr, r_c, n_c, M, N, pid_s, splits)
 
 
 def dense_mma_applies(rows: torch.Tensor, weight: torch.Tensor) -> bool:

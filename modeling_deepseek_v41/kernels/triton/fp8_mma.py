@@ -21,8 +21,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from .mma_common import (A_OPERAND, B_OPERAND, MMA, SLICE, activations_layout, barrier, split_groups,
-                         wait_for_inputs)
+from .mma_common import (A_OPERAND, B_OPERAND, MMA, SLICE, activations_layout, split_groups,
+                         store_split, wait_for_inputs)
 from .quant import fp8_act_quant
 from .workspace import split_buffers
 from .launch import launch_options
@@ -133,21 +133,7 @@ def _fp8_mma_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M
             sw = _e8m0(gl.load(s_rows + k // 32 + g))
             sx = gl.load(xs_rows + k // 32 + g, mask=r_c < M, other=0.0)
             acc = _group_dot(acc, w01, w23, xg, sw, sx, BN, BM)
-    offs = r_c[None, :].to(gl.int64) * N + n_c[:, None]  # the outputs are contiguous [M, N]
-    ok = (r_c < M)[None, :] & (n_c < N)[:, None]
-    if splits == 1:
-        gl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
-    else:
-        gl.store(part_ptr + pid_s * M * N + offs, acc, mask=ok)
-        barrier()
-        counter = count_ptr + gl.program_id(0) * gl.num_programs(2) + gl.program_id(2)
-        ticket = gl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if ticket == splits - 1:
-            gl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-            total = gl.load(part_ptr + offs, mask=ok, other=0.0, cache_modifier=".cg")
-            for s in range(1, splits):
-                total += gl.load(part_ptr + s * M * N + offs, mask=ok, other=0.0, cache_modifier=".cg")
-            gl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=ok)
+    store_split(acc, out_ptr, part_ptr, count_ptr, r_c, n_c, M, N, pid_s, splits)
 
 
 def fp8_mma_linear(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype,

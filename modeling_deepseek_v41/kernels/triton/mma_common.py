@@ -49,3 +49,25 @@ def split_groups(t):
     g0, g2 = gl.split(even)
     g1, g3 = gl.split(odd)
     return g0, g1, g2, g3
+
+
+@gluon.jit
+def store_split(acc, out_ptr, part_ptr, count_ptr, r_c, n_c, M, N, pid_s, splits):
+    """Store a program's accumulator [BN, BM] (rows r_c, columns n_c of a contiguous [M, N] output), or with
+    several splits of K its partial, the last program of the (tile, row block) summing the partials in split order
+    (the rows kernel's arrive-last scheme: a row's sum does not depend on which program arrives last)."""
+    offs = r_c[None, :].to(gl.int64) * N + n_c[:, None]
+    ok = (r_c < M)[None, :] & (n_c < N)[:, None]
+    if splits == 1:
+        gl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    else:
+        gl.store(part_ptr + pid_s * M * N + offs, acc, mask=ok)
+        barrier()
+        counter = count_ptr + gl.program_id(0) * gl.num_programs(2) + gl.program_id(2)
+        ticket = gl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if ticket == splits - 1:
+            gl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+            total = gl.load(part_ptr + offs, mask=ok, other=0.0, cache_modifier=".cg")
+            for s in range(1, splits):
+                total += gl.load(part_ptr + s * M * N + offs, mask=ok, other=0.0, cache_modifier=".cg")
+            gl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=ok)
