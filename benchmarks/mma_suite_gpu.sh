@@ -1,5 +1,5 @@
 #!/bin/bash
-# The device call after ab_gpu.sh, once the tensor-core decode has passed its own tests (carry [".whl"], about 560 s):
+# The device call after mma_ab_gpu.sh, once the tensor-core decode has passed its own tests (carry [".whl"], about 560 s):
 # the whole GPU suite with both switches on (what turning them on by default would run), PDL included
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 DEEPSEEK_V41_MMA_MOE=1 DEEPSEEK_V41_MMA_LINEARS=1
