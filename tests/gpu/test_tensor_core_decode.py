@@ -76,8 +76,12 @@ def test_k_token_forward_equals_single_steps_and_stays_near_the_committed_formul
     assert rel <= 0.2 and top1 >= 0.7  # the fixtures' loose bounds: fp32 orders re-quantized at every layer
 
 
-def test_graph_replayed_steps_equal_the_eager_ones(mma):
+def test_graph_replayed_steps_with_and_without_pdl_equal_the_eager_ones(mma):
+    """Static-cache steps replayed from a CUDA graph equal the eager ones, and so do both with programmatic
+    dependent launch (the Gluon kernels wait for their inputs as the Triton ones do: mma_common.wait_for_inputs),
+    bit for bit."""
     from modeling_deepseek_v41.cache import DeepseekV41Cache
+    from modeling_deepseek_v41.kernels.triton import launch
     from modeling_deepseek_v41.model.generation import DeepseekV41CUDAGraphDecoder
     model = _quantized_model()
     ids = _ids(model, 24, seed=1)
@@ -85,38 +89,23 @@ def test_graph_replayed_steps_equal_the_eager_ones(mma):
     with mma(), torch.no_grad():
         cache = DeepseekV41Cache(model.config)
         model(input_ids=ids[:, :prompt], cache=cache)
-        eager, replayed = copy.deepcopy(cache), copy.deepcopy(cache)
-        eager.make_static(ids.shape[1])
-        want = [model(input_ids=ids[:, t:t + 1], cache=eager).logits[0, -1] for t in range(prompt, ids.shape[1])]
-        decoder = DeepseekV41CUDAGraphDecoder(model, replayed, max_new_tokens=ids.shape[1] - prompt)
-        got = [decoder.step(ids[:, t:t + 1])[0, -1] for t in range(prompt, ids.shape[1])]
-        decoder.close()
-    assert all(torch.equal(g, w) for g, w in zip(got, want))
+        copies = [copy.deepcopy(cache) for _ in range(4)]
 
+        def eager_steps(static):
+            static.make_static(ids.shape[1])
+            return [model(input_ids=ids[:, t:t + 1], cache=static).logits[0, -1] for t in range(prompt, ids.shape[1])]
 
-def test_programmatic_dependent_launch_gives_the_same_steps(mma):
-    """The Gluon kernels wait for their inputs as the Triton ones do (mma_common.wait_for_inputs): launched with
-    PDL, eager and graph-replayed steps equal the steps without it, bit for bit."""
-    from modeling_deepseek_v41.cache import DeepseekV41Cache
-    from modeling_deepseek_v41.kernels.triton import launch
-    from modeling_deepseek_v41.model.generation import DeepseekV41CUDAGraphDecoder
-    model = _quantized_model()
-    ids = _ids(model, 20, seed=2)
-    prompt = 10
-    with mma(), torch.no_grad():
-        cache = DeepseekV41Cache(model.config)
-        model(input_ids=ids[:, :prompt], cache=cache)
-        plain, eager, replayed = (copy.deepcopy(cache) for _ in range(3))
-        plain.make_static(ids.shape[1])
-        want = [model(input_ids=ids[:, t:t + 1], cache=plain).logits[0, -1] for t in range(prompt, ids.shape[1])]
+        def replayed_steps(static):
+            decoder = DeepseekV41CUDAGraphDecoder(model, static, max_new_tokens=ids.shape[1] - prompt)
+            steps = [decoder.step(ids[:, t:t + 1])[0, -1] for t in range(prompt, ids.shape[1])]
+            decoder.close()
+            return steps
+
+        want, graphed = eager_steps(copies[0]), replayed_steps(copies[1])
         launch.use_pdl(True)
         try:
-            eager.make_static(ids.shape[1])
-            got = [model(input_ids=ids[:, t:t + 1], cache=eager).logits[0, -1] for t in range(prompt, ids.shape[1])]
-            decoder = DeepseekV41CUDAGraphDecoder(model, replayed, max_new_tokens=ids.shape[1] - prompt)
-            graphed = [decoder.step(ids[:, t:t + 1])[0, -1] for t in range(prompt, ids.shape[1])]
-            decoder.close()
+            eager_pdl, graphed_pdl = eager_steps(copies[2]), replayed_steps(copies[3])
         finally:
             launch.use_pdl(False)
-    assert all(torch.equal(g, w) for g, w in zip(got, want))
-    assert all(torch.equal(g, w) for g, w in zip(graphed, want))
+    for got in (graphed, eager_pdl, graphed_pdl):
+        assert all(torch.equal(g, w) for g, w in zip(got, want))

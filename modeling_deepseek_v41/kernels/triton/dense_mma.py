@@ -21,8 +21,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from .fp8_mma import SPLIT_TARGET, block_rows
-from .mma_common import A_OPERAND, B_OPERAND, MMA, activations_layout, store_split, wait_for_inputs
+from .mma_common import A_OPERAND, B_OPERAND, MMA, activations_layout, linear_plan, store_split, wait_for_inputs
 from .workspace import split_buffers
 from .launch import launch_options
 
@@ -117,12 +116,7 @@ def dense_mma_linear(rows: torch.Tensor, weight: torch.Tensor, second: torch.Ten
     m, k = rows.shape
     n = weight.shape[0]
     n2 = second.shape[0] if second is not None else 0
-    tiles1 = triton.cdiv(n, 128)
-    tiles = tiles1 + triton.cdiv(n2, 128)
-    groups = k // GROUP
-    per = triton.cdiv(groups, min(groups, max(1, triton.cdiv(SPLIT_TARGET, tiles))))
-    splits = triton.cdiv(groups, per)
-    bm = block_rows(m)
+    tiles1, tiles, per, splits, bm = linear_plan(m, n, n2, k // GROUP)
     row_blocks = triton.cdiv(m, bm)
     out_dtype = torch.float32 if weight.dtype == torch.float32 else weight.dtype
     out = torch.empty(m, n, dtype=out_dtype, device=rows.device)

@@ -21,20 +21,13 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from .mma_common import (A_OPERAND, B_OPERAND, MMA, SLICE, activations_layout, split_groups,
+from .mma_common import (A_OPERAND, B_OPERAND, MMA, SLICE, activations_layout, linear_plan, split_groups,
                          store_split, wait_for_inputs)
 from .quant import fp8_act_quant
 from .workspace import split_buffers
 from .launch import launch_options
 
 _SLICE = gl.constexpr(SLICE)
-# rows per program by the call's rows (offline sm_90: 260 / 372 / 603 SASS instructions per 128-column slice,
-# 102 / 140 / 255 registers); several blocks of 32 past 32 rows
-
-
-def block_rows(m: int) -> int:
-    return 8 if m <= 8 else 16 if m <= 16 else 32
-SPLIT_TARGET = 528  # programs a launch aims at (four per SM of an H100/H200) when splitting K
 
 # int32 of four e4m3 bytes -> four fp16 (byte i -> output i): bytes 0-1 and 2-3 each one conversion
 _BYTES_ASM = gl.constexpr("""
@@ -141,7 +134,7 @@ def fp8_mma_linear(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
                    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """[M, N] = QDQ(rows) [M, K] @ weight^T (rows bf16/fp32), weight e4m3 [N, K] as shipped with E8M0 scales
     [N/32, K/32]; with second = (weight2, scale2) of the same K, both products from one launch. Programs take
-    block_rows(M) rows; the split of K follows from the weights' shapes alone."""
+    mma_common.block_rows(M) rows; the split of K follows from the weights' shapes alone."""
     m, k = rows.shape
     n = weight.shape[0]
     w2, s2 = second if second is not None else (weight, scale)
@@ -149,12 +142,7 @@ def fp8_mma_linear(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
         raise ValueError(f"the tensor-core linear takes contiguous weights of whole {SLICE}-column slices; got K {k}")
     codes, xs = fp8_act_quant(rows, torch.float16, mma_order=True)
     n2 = w2.shape[0] if second is not None else 0
-    tiles1 = triton.cdiv(n, 128)
-    tiles = tiles1 + triton.cdiv(n2, 128)
-    slices = k // SLICE
-    per = triton.cdiv(slices, min(slices, max(1, triton.cdiv(SPLIT_TARGET, tiles))))
-    splits = triton.cdiv(slices, per)
-    bm = block_rows(m)
+    tiles1, tiles, per, splits, bm = linear_plan(m, n, n2, k // SLICE)
     row_blocks = triton.cdiv(m, bm)
     out = torch.empty(m, n, dtype=out_dtype, device=rows.device)
     out2 = torch.empty(m, n2, dtype=out_dtype, device=rows.device) if second is not None else out

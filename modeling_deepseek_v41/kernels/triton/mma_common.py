@@ -3,6 +3,7 @@ the GPU path only."""
 
 from __future__ import annotations
 
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
@@ -11,6 +12,23 @@ barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
 
 BM = 8  # the rows a program multiplies at once, the MMA's N
 SLICE = 128  # columns per loop step: four 32-column groups
+SPLIT_TARGET = 528  # programs a launch aims at (four per SM of an H100/H200) when splitting K
+
+
+def block_rows(m: int) -> int:
+    """Rows per program by the call's rows (offline sm_90, the FP8 linear: 260 / 372 / 603 SASS instructions per
+    128-column slice at 8 / 16 / 32 rows, 102 / 140 / 255 registers); several blocks of 32 past 32 rows."""
+    return 8 if m <= 8 else 16 if m <= 16 else 32
+
+
+def linear_plan(m: int, n: int, n2: int, k_steps: int) -> tuple[int, int, int, int, int]:
+    """(tiles of the first weight, all tiles, K steps per split, splits, rows per program) of a tensor-core linear
+    over 128-row weight tiles (a second weight's after the first's): the split follows from the weights alone, so a
+    row's sums do not depend on m."""
+    tiles1 = triton.cdiv(n, 128)
+    tiles = tiles1 + triton.cdiv(n2, 128)
+    per = triton.cdiv(k_steps, min(k_steps, max(1, triton.cdiv(SPLIT_TARGET, tiles))))
+    return tiles1, tiles, per, triton.cdiv(k_steps, per), block_rows(m)
 
 
 
