@@ -1,16 +1,18 @@
-"""The FP8 linears of decode sizes on the tensor cores (Gluon, Hopper's mma.sync): out [M, N] = QDQ(x) [M, K] @ W^T
-for W e4m3 [N, K] with E8M0 scales per 32 x 32 tile, one weight or a pair on one input in one launch.
+"""The FP8 linears of decode sizes on the tensor cores (Gluon, Hopper's mma.sync): out [M, N] = QDQ(x) [M, K] @ W^T for
+W e4m3 [N, K] with E8M0 scales per 32 x 32 tile, one weight or a pair on one input in one launch.
 
 mma_v2 (m16n8k16, fp16 in, fp32 accumulators) takes the weights as A and the rows as B: a lane holds, per 32-column
-group, 8 bytes of each of two weight rows (as shipped: lane t, columns 8t to 8t + 7), byte i at k = (i & 1) + 2t +
-8 (i >> 1 & 1) + 16 (i >> 2), so consecutive bytes are k's neighbours and one conversion (cvt.rn.f16x2.e4m3x2) makes
-each fp16 pair of the fragment. The activations arrive as e4m3 values in fp16 at common.mma_position with fp32
-power-of-two scales per 32 columns: exact products, each group's fp32 dot scaled by both scales. A program takes
-8, 16 or 32 rows (the MMA's N); each output is its own row's dot, and the split of K depends on the weights' shapes
-only and is summed in split order by the last program of each tile and row block (the rows kernel's arrive-last
-scheme), so a row's result does not depend on the other rows or their count: batch invariant at every decode size.
-Offline (sm_90, Triton 3.6): 2.0 SASS instructions per weight byte for 8 rows, against 3.5 for the CUDA-core rows
-kernel at one row and 11.1 at six. Launched like the Triton kernels, PDL included (mma_common.wait_for_inputs).
+group, 8 bytes of each of two weight rows (as shipped: lane t, columns 8t to 8t + 7), byte i at k = (i & 1) + 2t + 8 (i
+>> 1 & 1) + 16 (i >> 2), so consecutive bytes are k's neighbours and one conversion (cvt.rn.f16x2.e4m3x2) makes each
+fp16 pair of the fragment. The activations arrive as e4m3 values in fp16 at common.mma_position with fp32 power-of-two
+scales per 32 columns: exact products, each group's fp32 dot scaled by both scales. A program takes 8, 16 or 32 rows
+(the MMA's N); each output is its own row's dot, and the split of K depends on the weights' shapes only and is summed in
+split order by the last program of each tile and row block (the rows kernel's arrive-last scheme), so a row's result
+does not depend on the other rows or their count: batch invariant at every decode size. Up to 8 rows the kernel QDQs the
+raw rows itself (each warp one group of a slice, shared through 2 KB of shared memory), so a decode step's linears need
+no QDQ launch of their own; past 8, one QDQ launch writes them at mma_position. Offline (sm_90, Triton 3.6): 2.7 SASS
+instructions per weight byte for up to 8 rows with the QDQ (2.0 without), against 3.8 for the CUDA-core rows kernel at
+one row (its QDQ inside) and 11.1 at six. Launched like the Triton kernels, PDL included (mma_common.wait_for_inputs).
 """
 
 from __future__ import annotations
@@ -62,13 +64,28 @@ def _group_dot(acc, w01, w23, xg, sw, sx, BN: gl.constexpr, BM: gl.constexpr):
 
 
 @gluon.jit
+def _quantized_slice(xv):
+    """A slice's activations [BM, 4 t, 4 g, 8 i] (fp32, column 32 g + 8 t + i) -> (their e4m3 values as fp16, the
+    scales [BM, 4 g]): quant's FP8 activation QDQ (common.qdq_groups: the scale from the bits of amax x fp32(1/448),
+    the values divided by it, clamped, rounded by the conversion instruction) per row and 32-column group."""
+    amax = gl.maximum(gl.max(gl.max(gl.abs(xv), axis=3), axis=1), 1e-4)
+    bits = (amax * 0.002232142857142857).to(gl.int32, bitcast=True)
+    exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(gl.int32)
+    scale = (exponent << 23).to(gl.float32, bitcast=True)
+    q = gl.minimum(gl.maximum(xv / gl.expand_dims(gl.expand_dims(scale, 1), 3), -448.0), 448.0)
+    return q.to(gl.float8e4nv).to(gl.float16), scale
+
+
+@gluon.jit
 def _fp8_mma_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K, k_chunk, splits,
                     stride_xm, stride_xsm, stride_wn, stride_sn, w2_ptr, s2_ptr, out2_ptr, N2, tiles1,
-                    BN: gl.constexpr, BM: gl.constexpr):
-    """out[m, n] = sum over k of x[m, k] w[n, k]: this program's BN weight rows, BM rows and split of K; the last
-    program of a (tile, row block) sums the splits' partials in split order. Tiles past `tiles1` take a second
-    weight w2 [N2, K] (scales s2, output out2, the same strides) on the same rows. A row's sums are the same at any
-    BM (each MMA output is its own row's dot): batch invariant."""
+                    BN: gl.constexpr, BM: gl.constexpr, QDQ: gl.constexpr):
+    """out[m, n] = sum over k of QDQ(x)[m, k] w[n, k]: this program's BN weight rows, BM rows and split of K; the
+    last program of a (tile, row block) sums the splits' partials in split order. QDQ: x holds the raw rows, QDQ'd
+    as they are read (every program repeats it for its slices: worth it for a few rows, where a launch of its own
+    would cost more than the linear); else x holds their e4m3 values at mma_position and xs their scales. Tiles
+    past `tiles1` take a second weight w2 [N2, K] (scales s2, output out2, the same strides) on the same rows. A
+    row's sums are the same at any BM and either way (each MMA output is its own row's dot): batch invariant."""
     wait_for_inputs()
     # [128 rows, 4 t, 4 groups, 2 words]: lane 4 (row % 8) + t holds rows r and r + 8 of its warp's 16-row tile
     # (and + 64), its 8 bytes of each group
@@ -77,6 +94,11 @@ def _fp8_mma_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M
         lane_bases=[[0, 1, 0, 0], [0, 2, 0, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
         warp_bases=[[16, 0, 0, 0], [32, 0, 0, 0]], block_bases=[], shape=[128, 4, 4, 2])
     XL: gl.constexpr = activations_layout(BM)
+    # the raw rows QDQ'd one group per warp (each warp's share of the work, not all of it), then shared
+    XQ: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 4]],
+        lane_bases=[[0, 1, 0, 0], [0, 2, 0, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
+        warp_bases=[[0, 0, 1, 0], [0, 0, 2, 0]], block_bases=[], shape=[8, 4, 4, 8])
     gl.static_assert(BN == 128, "the words' layout is written for 128 weight rows per program")
     tile = gl.program_id(0)
     part_ptr += (tile >= tiles1).to(gl.int64) * splits * M * N  # the second weight's partials after the first's
@@ -101,9 +123,20 @@ def _fp8_mma_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M
     t_x = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, XS)))
     g_x = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, XS)))
     i_x = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, XL))))
-    x_rows = (x_ptr + r_x[:, None, None, None].to(gl.int64) * stride_xm + 32 * t_x[None, :, None, None]
-              + 8 * g_x[None, None, :, None] + i_x[None, None, None, :])
-    x_ok = (r_x < M)[:, None, None, None] & (i_x >= 0)[None, None, None, :]
+    if QDQ:  # lane t's values of group g: the raw row's columns 32 g + 8 t to 32 g + 8 t + 7
+        gl.static_assert(BM == 8, "the rows QDQ'd in the kernel are 8 per program")
+        XQS: gl.constexpr = gl.SliceLayout(3, XQ)
+        r_q = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, gl.SliceLayout(2, XQS)))
+        t_q = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, XQS)))
+        g_q = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, XQS)))
+        i_q = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, XQ))))
+        x_rows = (x_ptr + r_q[:, None, None, None].to(gl.int64) * stride_xm + 8 * t_q[None, :, None, None]
+                  + 32 * g_q[None, None, :, None] + i_q[None, None, None, :])
+        x_ok = (r_q < M)[:, None, None, None] & (i_q >= 0)[None, None, None, :]
+    else:  # the same values stored at mma_position: adjacent
+        x_rows = (x_ptr + r_x[:, None, None, None].to(gl.int64) * stride_xm + 32 * t_x[None, :, None, None]
+                  + 8 * g_x[None, None, :, None] + i_x[None, None, None, :])
+        x_ok = (r_x < M)[:, None, None, None] & (i_x >= 0)[None, None, None, :]
     n_c = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
     r_c = row0 + gl.arange(0, BM, layout=gl.SliceLayout(0, MMA))
     s_rows = s_ptr + (gl.minimum(n_c, N - 1) // 32).to(gl.int64) * stride_sn
@@ -114,7 +147,13 @@ def _fp8_mma_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M
         lo, hi = gl.split(words)  # bytes 0-3 and 4-7 of each lane's group
         lo0, lo1, lo2, lo3 = split_groups(gl.reshape(lo, [BN, 4, 2, 2]))
         hi0, hi1, hi2, hi3 = split_groups(gl.reshape(hi, [BN, 4, 2, 2]))
-        xs4 = gl.load(x_rows + k, mask=x_ok, other=0.0)  # [BM, 4, 4, 8]
+        if QDQ:
+            codes, scales = _quantized_slice(gl.load(x_rows + k, mask=x_ok, other=0.0).to(gl.float32))
+            xs4 = gl.convert_layout(codes, XL)
+            scales = gl.convert_layout(scales, gl.SliceLayout(1, gl.SliceLayout(3, XL)))
+            sx0, sx1, sx2, sx3 = split_groups(gl.reshape(scales, [BM, 2, 2]))
+        else:
+            xs4 = gl.load(x_rows + k, mask=x_ok, other=0.0)  # [BM, 4, 4, 8]
         x0, x1, x2, x3 = split_groups(gl.reshape(gl.permute(xs4, [0, 1, 3, 2]), [BM, 4, 8, 2, 2]))
         for g in gl.static_range(4):
             w01 = lo0 if g == 0 else lo1 if g == 1 else lo2 if g == 2 else lo3
@@ -124,7 +163,11 @@ def _fp8_mma_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M
             xg = gl.convert_layout(gl.reshape(gl.permute(gl.reshape(xq, [BM, 4, 2, 2, 2]), [2, 3, 1, 4, 0]),
                                               [32, BM]), B_OPERAND)
             sw = _e8m0(gl.load(s_rows + k // 32 + g))
-            sx = gl.load(xs_rows + k // 32 + g, mask=r_c < M, other=0.0)
+            if QDQ:
+                sx = gl.convert_layout(sx0 if g == 0 else sx1 if g == 1 else sx2 if g == 2 else sx3,
+                                       gl.SliceLayout(0, MMA))
+            else:
+                sx = gl.load(xs_rows + k // 32 + g, mask=r_c < M, other=0.0)
             acc = _group_dot(acc, w01, w23, xg, sw, sx, BN, BM)
     store_split(acc, out_ptr, part_ptr, count_ptr, r_c, n_c, M, N, pid_s, splits)
 
@@ -138,9 +181,10 @@ def fp8_mma_linear(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     m, k = rows.shape
     n = weight.shape[0]
     w2, s2 = second if second is not None else (weight, scale)
-    if k % SLICE or weight.shape[1] != k or w2.shape[1] != k or not (weight.is_contiguous() and w2.is_contiguous()):
-        raise ValueError(f"the tensor-core linear takes contiguous weights of whole {SLICE}-column slices; got K {k}")
-    codes, xs = fp8_act_quant(rows, torch.float16, mma_order=True)
+    if (k % SLICE or weight.shape[1] != k or w2.shape[1] != k or not (weight.is_contiguous() and w2.is_contiguous())
+            or rows.stride(-1) != 1 or rows.dtype not in (torch.bfloat16, torch.float32)):
+        raise ValueError(f"the tensor-core linear takes bf16/fp32 rows contiguous along K and contiguous weights of "
+                         f"whole {SLICE}-column slices; got {rows.dtype} rows, K {k}")
     n2 = w2.shape[0] if second is not None else 0
     tiles1, tiles, per, splits, bm = linear_plan(m, n, n2, k // SLICE)
     row_blocks = triton.cdiv(m, bm)
@@ -149,8 +193,10 @@ def fp8_mma_linear(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     part, count = split_buffers(splits, (m, n + n2), tiles * row_blocks, rows.device)
     words, words2 = weight.view(torch.int32), w2.view(torch.int32)
     s, s2 = scale.view(torch.uint8), s2.view(torch.uint8)
-    _fp8_mma_kernel[(tiles, splits, row_blocks)](codes, xs, words, s, out, part, count, m, n, k, per * SLICE, splits,
-                                                 codes.stride(0), xs.stride(0), words.stride(0), s.stride(0), words2,
-                                                 s2, out2, n2, tiles1, BN=128, BM=bm, num_warps=4,
+    qdq = bm == 8  # up to 8 rows: QDQ'd in the kernel (no launch of its own); more: once, by the QDQ launch
+    x, xs = (rows, rows) if qdq else fp8_act_quant(rows, torch.float16, mma_order=True)
+    _fp8_mma_kernel[(tiles, splits, row_blocks)](x, xs, words, s, out, part, count, m, n, k, per * SLICE, splits,
+                                                 x.stride(0), xs.stride(0), words.stride(0), s.stride(0), words2, s2,
+                                                 out2, n2, tiles1, BN=128, BM=bm, QDQ=qdq, num_warps=4,
                                                  **launch_options())
     return (out, out2) if second is not None else out
