@@ -40,6 +40,14 @@ def use_mma_linears(enabled: bool) -> None:
     _chosen["linears"] = _checked(enabled)
 
 
+def block_rows(rows: float) -> int:
+    """The rows a tensor-core program multiplies at once (the MMA's N: 8, 16 or 32) for a call of `rows` rows (a
+    linear's, or the rows a chosen expert sees): fewer padded rows against fewer reads of the weights. Any choice
+    gives a row the same sums. Offline sm_90, the FP8 linear: 260 / 372 / 603 SASS instructions per 128-column
+    slice at 8 / 16 / 32 rows, 102 / 140 / 255 registers."""
+    return 8 if rows <= 8 else 16 if rows <= 16 else 32
+
+
 def mma_moe_enabled() -> bool:
     return _chosen["moe"]
 

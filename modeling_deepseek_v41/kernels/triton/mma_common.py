@@ -7,18 +7,13 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from .mma_choice import block_rows
+
 # the CTA-wide barrier (Triton 3.5-3.6 name it thread_barrier, later versions barrier)
 barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
 
-BM = 8  # the rows a program multiplies at once, the MMA's N
 SLICE = 128  # columns per loop step: four 32-column groups
 SPLIT_TARGET = 528  # programs a launch aims at (four per SM of an H100/H200) when splitting K
-
-
-def block_rows(m: int) -> int:
-    """Rows per program by the call's rows (offline sm_90, the FP8 linear: 260 / 372 / 603 SASS instructions per
-    128-column slice at 8 / 16 / 32 rows, 102 / 140 / 255 registers); several blocks of 32 past 32 rows."""
-    return 8 if m <= 8 else 16 if m <= 16 else 32
 
 
 def linear_plan(m: int, n: int, n2: int, k_steps: int) -> tuple[int, int, int, int, int]:
@@ -29,7 +24,6 @@ def linear_plan(m: int, n: int, n2: int, k_steps: int) -> tuple[int, int, int, i
     tiles = tiles1 + triton.cdiv(n2, 128)
     per = triton.cdiv(k_steps, min(k_steps, max(1, triton.cdiv(SPLIT_TARGET, tiles))))
     return tiles1, tiles, per, triton.cdiv(k_steps, per), block_rows(m)
-
 
 
 @gluon.constexpr_function
@@ -44,7 +38,6 @@ def activations_layout(rows):
         warp_bases=[[0, 0, 0, 0], [0, 0, 0, 0]], block_bases=[], shape=[int(rows), 4, 4, 8])
 
 
-ACTIVATIONS = gl.constexpr(activations_layout(BM))
 # the MMA (m16n8k16, 4 warps along the weight rows) and its operands
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8]))
 A_OPERAND = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA.value, k_width=2))

@@ -15,6 +15,7 @@ import triton.language as tl
 
 from .common import cast, mma_position
 from .linear import _TL_DTYPES
+from .mma_choice import block_rows
 from .moe_rows import rows_per_expert
 from .moe_swiglu import swiglu_store
 from .quant import fp8_act_quant
@@ -89,10 +90,9 @@ def down_finish(part: torch.Tensor, pair_of_row: torch.Tensor, act_dtype: torch.
 
 
 def mma_block_rows(tokens: int, top_k: int, n_experts: int) -> int:
-    """The rows of one expert a program multiplies (the MMA's N: 8, 16 or 32), from the rows a chosen expert sees
-    under uniform routing: a block reads its expert once. Any choice gives a row the same sums."""
-    rows = rows_per_expert(tokens, top_k, n_experts)
-    return 8 if rows <= 8 else 16 if rows <= 16 else 32
+    """The rows of one expert a program multiplies, from the rows a chosen expert sees under uniform routing (a
+    block reads its expert once)."""
+    return block_rows(rows_per_expert(tokens, top_k, n_experts))
 
 
 def _mma_partials(*args, **kwargs) -> torch.Tensor:
