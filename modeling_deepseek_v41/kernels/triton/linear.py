@@ -201,11 +201,12 @@ def _mma_linear(*args, **kwargs):
 
 
 def _dense_on_tensor_cores(rows: torch.Tensor, *weights: torch.Tensor) -> bool:
-    """Whether a decode-sized dense linear (or pair) goes through dense_mma.py (mma_choice): bf16 rows with fp32
-    weights, or rows of the weights' bf16/fp16 dtype; K a multiple of 32, contiguous."""
-    operand = torch.bfloat16 if weights[0].dtype == torch.float32 else weights[0].dtype
-    return (mma_linears_enabled() and rows.is_cuda and rows.dtype == operand and rows.shape[1] % 32 == 0
-            and all(w.is_contiguous() and w.dtype == weights[0].dtype for w in weights))
+    """Whether a decode-sized dense linear (or pair) goes through dense_mma.py (mma_choice): bf16/fp16 weights (the
+    rows cast to their dtype), or fp32 weights with bf16 rows; K a multiple of 32, contiguous weights."""
+    dtype = weights[0].dtype
+    return (mma_linears_enabled() and rows.is_cuda and rows.shape[1] % 32 == 0
+            and (dtype != torch.float32 or rows.dtype == torch.bfloat16)
+            and all(w.is_contiguous() and w.dtype == dtype for w in weights))
 
 
 def _dense_mma(*args, **kwargs):
@@ -294,7 +295,7 @@ def linear_pair(x: torch.Tensor, first: tuple[torch.Tensor, torch.Tensor | None]
     n1, n2 = w1.shape[0], w2.shape[0]
     if quantized and _on_tensor_cores(rows, w1, w2):
         out1, out2 = _mma_linear(rows, w1, s1, x.dtype, second=(w2, s2))
-    elif not quantized and _dense_on_tensor_cores(rows.to(w1.dtype), w1, w2):
+    elif not quantized and _dense_on_tensor_cores(rows, w1, w2):
         out1, out2 = _dense_mma(rows.to(w1.dtype), w1, second=w2)
     elif rows.shape[0] <= ROWS_MAX_ROWS:
         fmt, operand, out_dtype = (FMT_FP8_TILE, rows, x.dtype) if quantized else \
@@ -349,7 +350,7 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         out = torch.nn.functional.linear(rows.to(weight.dtype), weight)
     elif weight.dtype == torch.float32:  # true fp32 products, each weight read once
         out = _fp32_weight_linear(rows, weight)
-    elif _dense_on_tensor_cores(rows.to(weight.dtype), weight):
+    elif _dense_on_tensor_cores(rows, weight):
         out = _dense_mma(rows.to(weight.dtype), weight)
     elif rows.shape[0] <= ROWS_MAX_ROWS:
         out = rows_linear(rows.to(weight.dtype), weight, None, FMT_DENSE, n, k, weight.dtype)
