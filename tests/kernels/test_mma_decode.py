@@ -1,9 +1,11 @@
-"""The tensor-core MoE decode (kernels/triton/moe_mma.py around fp4_mma.py's Gluon products).
+"""The tensor-core decode (Gluon): the routed experts (moe_mma.py around fp4_mma.py's products), the FP8 linears
+(fp8_mma.py) and the dense ones (dense_mma.py).
 
-On the CPU the launches around the products run in Triton's interpreter with the products replaced by their
-dense contract (`_dense_partials`: what fp4_mma_partials must return), against the rows formulation and the
-emulation; on a GPU the Gluon kernel itself is checked against that contract at the released shapes, and the
-whole formulation for batch invariance and CUDA-graph capture."""
+On the CPU: the QDQ into the kernels' order, the MoE's launches around the products in Triton's interpreter with the
+products replaced by their dense contract (`_dense_partials`: what fp4_mma_partials must return) against the rows
+formulation, the exact three-piece split of fp32 weights the dense kernel relies on, and the dispatch (CUDA tensors
+only, switched on). On a GPU: each Gluon kernel against its contract at the released shapes, batch invariance across
+row counts and block sizes, pairs, and CUDA-graph capture."""
 
 from __future__ import annotations
 
