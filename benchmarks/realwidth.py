@@ -419,8 +419,10 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/realwidth.py needs a CUDA GPU.")
     from modeling_deepseek_v41.kernels.triton import use_mma_linears, use_mma_moe
-    use_mma_moe(args.moe_mma)
-    use_mma_linears(args.linear_mma)
+    if args.moe_mma:  # without the flags, DEEPSEEK_V41_MMA_MOE / _LINEARS still decide
+        use_mma_moe(True)
+    if args.linear_mma:
+        use_mma_linears(True)
     from modeling_deepseek_v41.kernels.triton.launch import use_pdl
     start = time.perf_counter()
     model = build(released_config(args.mode, args.experts, args.engram_rows))

@@ -98,8 +98,8 @@ def test_the_launches_around_the_products_give_the_rows_formulation(monkeypatch,
     """mma_moe with the products' contract (split K, sorted rows, a second stack's columns after the first's) gives
     grouped_moe's rows formulation: the same SwiGLU, QDQ of h, rounding and combine, up to fp32 summation order."""
     monkeypatch.setattr(moe_mma, "_mma_partials", _dense_partials)
-    monkeypatch.setitem(moe_mma.MMA_K_CHUNK, "up", 128)  # several splits at these widths
-    monkeypatch.setitem(moe_mma.MMA_K_CHUNK, "down", 128)
+    monkeypatch.setitem(moe_mma.ROWS_K_CHUNK, "up", 128)  # several splits at these widths
+    monkeypatch.setitem(moe_mma.ROWS_K_CHUNK, "down", 128)
     n_experts, d, inter, top_k = 6, 256, 384, 3
     stacks = _experts(n_experts, d, inter, seed=3)
     tokens = (torch.randn(t, d, generator=_gen(4))).to(torch.bfloat16)

@@ -136,10 +136,9 @@ def e8m0_value(s_ptrs, mask):
 
 @triton.jit
 def e8m0_byte_value(byte):
-    """e8m0_value of loaded E8M0 bytes (any integer dtype)."""
-    byte = byte.to(tl.int32) & 0xFF
-    normal = (byte << 23).to(tl.float32, bitcast=True)
-    return tl.where(byte == 0, 5.877471754111438e-39, normal)
+    """e8m0_value of loaded E8M0 bytes (any integer dtype): the byte as an fp32 exponent field, byte 0 as the bits
+    of 2^-127 (1 << 22, the largest subnormal power of two), which no other byte's bits fall below."""
+    return tl.maximum((byte.to(tl.int32) & 0xFF) << 23, 1 << 22).to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -23,6 +23,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
+from .common import e8m0_byte_value, pow2_ceil_scale
 from .mma_common import (A_OPERAND, B_OPERAND, MMA, SLICE, activations_layout, linear_plan, split_groups,
                          store_split, wait_for_inputs)
 from .quant import fp8_act_quant
@@ -46,12 +47,6 @@ mov.b32 {$2, $3}, q;
 
 
 @gluon.jit
-def _e8m0(byte):
-    """2^(byte - 127) from E8M0 bytes (byte 0: 2^-127, a subnormal, built from its bits)."""
-    return gl.maximum((byte.to(gl.int32) & 0xFF) << 23, 1 << 22).to(gl.float32, bitcast=True)
-
-
-@gluon.jit
 def _group_dot(acc, w01, w23, xg, sw, sx, BN: gl.constexpr, BM: gl.constexpr):
     """acc + (one group's weights [BN, 32] from a lane's two words [BN, 4] . xg [32, BM]) x scales."""
     v0, v1, v2, v3 = gl.inline_asm_elementwise(_BYTES_ASM, "=h,=h,=h,=h,r", [w01], (gl.float16,) * 4, True, 1)
@@ -68,10 +63,7 @@ def _quantized_slice(xv):
     """A slice's activations [BM, 4 t, 4 g, 8 i] (fp32, column 32 g + 8 t + i) -> (their e4m3 values as fp16, the
     scales [BM, 4 g]): quant's FP8 activation QDQ (common.qdq_groups: the scale from the bits of amax x fp32(1/448),
     the values divided by it, clamped, rounded by the conversion instruction) per row and 32-column group."""
-    amax = gl.maximum(gl.max(gl.max(gl.abs(xv), axis=3), axis=1), 1e-4)
-    bits = (amax * 0.002232142857142857).to(gl.int32, bitcast=True)
-    exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(gl.int32)
-    scale = (exponent << 23).to(gl.float32, bitcast=True)
+    scale = pow2_ceil_scale(gl.maximum(gl.max(gl.max(gl.abs(xv), axis=3), axis=1), 1e-4))
     q = gl.minimum(gl.maximum(xv / gl.expand_dims(gl.expand_dims(scale, 1), 3), -448.0), 448.0)
     return q.to(gl.float8e4nv).to(gl.float16), scale
 
@@ -162,7 +154,7 @@ def _fp8_mma_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M
             # [n, t, a, b, c] (i = a + 2b + 4c: k = 16c + 8b + 2t + a) -> [c, b, t, a, n] = [k, n]
             xg = gl.convert_layout(gl.reshape(gl.permute(gl.reshape(xq, [BM, 4, 2, 2, 2]), [2, 3, 1, 4, 0]),
                                               [32, BM]), B_OPERAND)
-            sw = _e8m0(gl.load(s_rows + k // 32 + g))
+            sw = e8m0_byte_value(gl.load(s_rows + k // 32 + g))
             if QDQ:
                 sx = gl.convert_layout(sx0 if g == 0 else sx1 if g == 1 else sx2 if g == 2 else sx3,
                                        gl.SliceLayout(0, MMA))

@@ -16,21 +16,13 @@ import triton.language as tl
 from .common import cast, mma_position
 from .linear import _TL_DTYPES
 from .mma_choice import block_rows
-from .moe_rows import rows_per_expert
+from .moe_rows import ROWS_K_CHUNK, rows_per_expert
 from .moe_swiglu import swiglu_store
 from .quant import fp8_act_quant
+from .splits import sum_partials
 from .launch import launch_options, wait_for_inputs
 
-MMA_K_CHUNK = {"up": 1280, "down": 1152}  # K columns per split: constants, so the split count is the shapes'
 FINISH_BN = 128  # h columns per finishing program: whole 128-column slices, so mma_position stays in the tile
-
-
-@triton.jit
-def _sum_splits(part_ptr, offs, mask, splits, stride_split):
-    total = tl.load(part_ptr + offs, mask=mask, other=0.0)
-    for s in range(1, splits):
-        total += tl.load(part_ptr + s * stride_split + offs, mask=mask, other=0.0)
-    return total
 
 
 @triton.jit
@@ -43,8 +35,8 @@ def _up_finish_kernel(part_ptr, route_ptr, pair_ptr, h_ptr, hs_ptr, rows, N, spl
     r = tl.program_id(0)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     n_ok = offs_n < N
-    gate = _sum_splits(part_ptr, r * 2 * N + offs_n, n_ok, splits, rows * 2 * N)
-    up = _sum_splits(part_ptr + N, r * 2 * N + offs_n, n_ok, splits, rows * 2 * N)
+    gate = sum_partials(part_ptr, r * 2 * N + offs_n, n_ok, splits, rows * 2 * N)
+    up = sum_partials(part_ptr + N, r * 2 * N + offs_n, n_ok, splits, rows * 2 * N)
     one = tl.full([1], 0, tl.int32) + r
     swiglu_store(gate[:, None], up[:, None], route_ptr, h_ptr, hs_ptr, one, one >= 0, tl.load(pair_ptr + one),
                  offs_n, mma_position(offs_n), N, limit, N, N // 32, BN, 1, ROUND_DTYPE, ROUND_DTYPE, HAS_LIMIT,
@@ -58,7 +50,7 @@ def _down_finish_kernel(part_ptr, pair_ptr, c_ptr, rows, N, splits, BN: tl.const
     r = tl.program_id(0)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     n_ok = offs_n < N
-    total = _sum_splits(part_ptr, r * N + offs_n, n_ok, splits, rows * N)
+    total = sum_partials(part_ptr, r * N + offs_n, n_ok, splits, rows * N)
     pair = tl.load(pair_ptr + r).to(tl.int64)
     tl.store(c_ptr + pair * N + offs_n, cast(cast(total, ROUND_DTYPE).to(tl.float32), c_ptr.dtype.element_ty),
              mask=n_ok)
@@ -113,8 +105,9 @@ def mma_moe(tokens: torch.Tensor, route: torch.Tensor, schedule: tuple, block_ro
     pair_of_row, block_expert, block_start, block_end = schedule
     codes, xs = fp8_act_quant(tokens, torch.float16, mma_order=True)
     blocks = (block_expert, block_start, block_end)
-    gate_up = _mma_partials(codes, xs, w1, s1, pair_of_row, top_k, *blocks, MMA_K_CHUNK["up"], block_rows,
+    # the rows formulation's K columns per split: constants, so the split count is the shapes'
+    gate_up = _mma_partials(codes, xs, w1, s1, pair_of_row, top_k, *blocks, ROWS_K_CHUNK["up"], block_rows,
                             second=(w3, s3))
     h, hs = up_finish(gate_up, route, pair_of_row, limit, tokens.dtype)
-    down = _mma_partials(h, hs, w2, s2, None, top_k, *blocks, MMA_K_CHUNK["down"], block_rows)
+    down = _mma_partials(h, hs, w2, s2, None, top_k, *blocks, ROWS_K_CHUNK["down"], block_rows)
     return down_finish(down, pair_of_row, tokens.dtype)
