@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from model_factory import random_model, tiny_config
+from model_factory import random_model, schedule_config, tiny_config
 from modeling_deepseek_v41.cache import DeepseekV41Cache
 from modeling_deepseek_v41.layers.dspark import DeepseekV41DSpark
 from modeling_deepseek_v41.model.generation.dspark import dspark_draft, verify_count
@@ -90,10 +90,15 @@ def test_failing_drafts_back_off_to_plain_steps():
 
 
 def _tiny_vocab_model():
-    """A random model whose vocabulary is small enough to compare whole output distributions."""
-    config = tiny_config(vocab_size=24, dspark_noise_token_id=23, engram_compressed_vocab_size=20)
+    """A random three-layer model whose vocabulary is small enough to compare whole output distributions; its
+    drafter reads all three layers. Seed 14: about 40% of the first drafts are accepted, so both branches of the
+    acceptance are sampled often."""
+    config = schedule_config(dict(
+        vocab_size=24, dspark_noise_token_id=23, engram_compressed_vocab_size=20, num_hidden_layers=3,
+        compress_ratios=[0, 2, 1, 0, 0], kv_source_layer_ids=[1, 2], index_source_layer_ids=[1, 2],
+        candidate_source_layer_id=2, engram_layer_ids=[1], dspark_target_layer_ids=[0, 1, 2]))
     config.image_token_id = 22
-    model = random_model(config, dtype=torch.float64, seed=13)
+    model = random_model(config, dtype=torch.float64, seed=14)
     with torch.no_grad():  # sharpen the distributions so that drafts are sometimes accepted, sometimes not
         model.lm_head.weight.mul_(3.0)
     model.generation_config.eos_token_id = None  # every sample has two tokens
