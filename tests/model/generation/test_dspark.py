@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from model_factory import random_model, schedule_config, tiny_config
+from model_factory import random_model, schedule_config
 from modeling_deepseek_v41.cache import DeepseekV41Cache
 from modeling_deepseek_v41.layers.dspark import DeepseekV41DSpark
 from modeling_deepseek_v41.model.generation.dspark import dspark_draft, verify_count
