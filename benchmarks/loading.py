@@ -1,6 +1,7 @@
 """from_pretrained of a hub-layout checkpoint at the released widths, against the disk's own read rate.
 
     python benchmarks/loading.py [--layers 3] [--experts 384] [--workdir DIR] [--device cuda] [--keep] [--tiny]
+                                 [--variants one_thread willneed]
 
 Writes a random checkpoint in the hub layout whose layers have the released shapes and all 384 routed experts
 (`--layers` decoder blocks on a CSA2 schedule of window-only, ratio-2 and ratio-1 layers; the Engram tables and
@@ -8,8 +9,9 @@ the drafter's experts cut), its tensors drawn on `--device` and written in shard
 after dropping the checkpoint's files from the page cache (posix_fadvise DONTNEED after a sync): the disk's
 sequential read rate of the shards, and `AutoModelForCausalLM.from_pretrained(folder, device_map=device)` in a
 fresh process (wall seconds, GB/s, peak host RSS, seconds per step of the loading pipeline); and the same load once
-more with the files cached. The released checkpoint's load time is estimated from the cold rate and its size (the
-hub config's tensors). `--tiny` keeps the schedule and the 384 experts at the tiny preset's widths: a quick run
+more with the files cached; with `--variants`, more cold loads through other read paths (transformers' loader on
+one thread; each shard advised into the page cache ahead of the loader). The released checkpoint's load time is
+estimated from the cold rate and its size (the hub config's tensors). `--tiny` keeps the schedule and the 384 experts at the tiny preset's widths: a quick run
 on a CPU; `--experts` cuts the routed experts for a host with less memory. The tokenizer written beside it has the
 released vocabulary's size and, like the hub's, few added tokens (transformers loads 100K of them in seconds).
 """
@@ -153,7 +155,24 @@ def timed(step):
     return run
 
 
-pipeline.STEPS = tuple(timed(step) for step in pipeline.STEPS)  # where the seconds go: transformers' load or ours
+# the variant "willneed": each shard advised into the page cache in file order, from a thread, as the loader
+# starts (the kernel reads ahead in large requests; the loader's threads then find the pages)
+def read_ahead(request):
+    import os, threading
+    from pathlib import Path
+
+    def advise():
+        for path in sorted(Path({folder!r}).glob("*.safetensors")):
+            fd = os.open(path, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            os.close(fd)
+    threading.Thread(target=advise, daemon=True).start()
+
+
+steps_in_order = list(pipeline.STEPS)
+if {variant!r} == "willneed":
+    steps_in_order.insert(steps_in_order.index(pipeline.load_weights), read_ahead)
+pipeline.STEPS = tuple(timed(step) for step in steps_in_order)  # where the seconds go: transformers' load or ours
 start = time.perf_counter()
 model = AutoModelForCausalLM.from_pretrained({folder!r}, device_map={device!r})
 if {device!r}.startswith("cuda"):
@@ -166,10 +185,14 @@ print(json.dumps({{"seconds": seconds, "peak_rss_gb": resource.getrusage(resourc
 """
 
 
-def timed_load(folder: Path, device: str) -> dict:
+VARIANTS = ("default", "one_thread", "willneed")  # read paths of --variants: transformers' 4 threads, 1, read-ahead
+
+
+def timed_load(folder: Path, device: str, variant: str = "default") -> dict:
     """from_pretrained in a fresh process (its own peak RSS, no state from this one)."""
-    code = LOAD.format(root=str(ROOT), folder=str(folder), device=device)
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    code = LOAD.format(root=str(ROOT), folder=str(folder), device=device, variant=variant)
+    env = {**os.environ, **({"HF_DEACTIVATE_ASYNC_LOAD": "1"} if variant == "one_thread" else {})}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"from_pretrained failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -193,6 +216,8 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=384, help="routed experts per block (fewer: a checkpoint that "
                         "fits a smaller host)")
     parser.add_argument("--keep", action="store_true", help="keep the checkpoint afterwards")
+    parser.add_argument("--variants", nargs="*", default=[], choices=VARIANTS[1:],
+                        help="also time cold loads through these read paths (instruments, not package options)")
     args = parser.parse_args()
     text = text_config(args.layers, args.tiny, args.experts)
     folder = args.workdir / "hub"
@@ -216,6 +241,11 @@ def main() -> None:
                 "cold_over_disk": nbytes / cold["seconds"] / 1e9 / row["disk_read_gb_s"],
                 "peak_host_rss_gb": cold["peak_rss_gb"], "loaded_parameter_gb": cold["parameter_gb"],
                 "loaded_on": cold["device"], "cold_steps_s": cold["steps_s"], "warm_steps_s": warm["steps_s"]})
+    for variant in args.variants:
+        drop_cached(folder)
+        timed = timed_load(folder, args.device, variant)
+        row[f"load_cold_{variant}_gb_s"] = nbytes / timed["seconds"] / 1e9
+        row[f"cold_steps_{variant}_s"] = timed["steps_s"]
     released = released_bytes()
     row["released_checkpoint_gb"] = released / 1e9
     row["released_load_estimate_s"] = released / (row["load_cold_gb_s"] * 1e9)
