@@ -351,7 +351,6 @@ def restore_parts(model, path: Path) -> dict:
 def prefill_rows(model, lengths: list[int], modes: list[str], skip: set[tuple[str, int]]) -> list[dict]:
     vocab = model.config.text_config.vocab_size
     rows = []
-    warmed = set()  # the first call of a mode compiles its kernels; later lengths reuse them
     for length in lengths:
         for mode in modes:
             if (mode, length) in skip:
@@ -363,8 +362,9 @@ def prefill_rows(model, lengths: list[int], modes: list[str], skip: set[tuple[st
                 with torch.no_grad():
                     model(ids, cache=DeepseekV41Cache(model.config), prefill_mode=mode, logits_to_keep=1)
             try:
-                ms = timed_ms(run, repeats=1, warmup=0 if mode in warmed else 1)
-                warmed.add(mode)
+                # every length warms up: kernels specialize by length (a 16K exact prefill timed without its own
+                # warm-up took 7.6 s, warmed 1.52 s: H100, 2026-12-05)
+                ms = timed_ms(run, repeats=1, warmup=1)
             except torch.OutOfMemoryError:
                 row = {"prefill": length, "mode": mode, "result": "out of memory"}
             else:

@@ -245,6 +245,7 @@ def main() -> None:
                "moe": bench_moe, "moe_prefill": bench_moe_prefill}
     parser.add_argument("--only", nargs="+", choices=sorted(benches), default=sorted(benches))
     args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
     log(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {__import__('triton').__version__}")
     for bench in (benches[name] for name in args.only):
         try:
