@@ -4,16 +4,16 @@
                                  [--variants one_thread willneed]
 
 Writes a random checkpoint in the hub layout whose layers have the released shapes and all 384 routed experts
-(`--layers` decoder blocks on a CSA2 schedule of window-only, ratio-2 and ratio-1 layers; the Engram tables and
-the drafter's experts cut), its tensors drawn on `--device` and written in shards of `--shard-gb`. Then, each time
-after dropping the checkpoint's files from the page cache (posix_fadvise DONTNEED after a sync): the disk's
-sequential read rate of the shards, and `AutoModelForCausalLM.from_pretrained(folder, device_map=device)` in a
-fresh process (wall seconds, GB/s, peak host RSS, seconds per step of the loading pipeline); and the same load once
-more with the files cached; with `--variants`, more cold loads through other read paths (transformers' loader on
-one thread; each shard advised into the page cache ahead of the loader). The released checkpoint's load time is
-estimated from the cold rate and its size (the hub config's tensors). `--tiny` keeps the schedule and the 384 experts at the tiny preset's widths: a quick run
-on a CPU; `--experts` cuts the routed experts for a host with less memory. The tokenizer written beside it has the
-released vocabulary's size and, like the hub's, few added tokens (transformers loads 100K of them in seconds).
+(`--layers` decoder blocks on a CSA2 schedule of window-only, ratio-2 and ratio-1 layers; the Engram tables and the
+drafter's experts cut), its tensors drawn on `--device` and written in shards of `--shard-gb`. Then, each time after
+dropping the checkpoint's files from the page cache (posix_fadvise DONTNEED after a sync): the disk's sequential read
+rate of the shards, and `AutoModelForCausalLM.from_pretrained(folder, device_map=device)` in a fresh process (wall
+seconds, GB/s, peak host RSS, seconds per step of the loading pipeline); and the same load once more with the files
+cached; with `--variants`, more cold loads through other read paths (transformers' loader on one thread; each shard
+advised into the page cache ahead of the loader). The released checkpoint's load time is estimated from the cold rate
+and its size (the hub config's tensors). `--tiny` keeps the schedule and the 384 experts at the tiny preset's widths: a
+quick run on a CPU; `--experts` cuts the routed experts for a host with less memory. The tokenizer written beside it has
+the released vocabulary's size and, like the hub's, few added tokens (transformers loads 100K of them in seconds).
 """
 
 from __future__ import annotations

@@ -1,18 +1,17 @@
 """Decode-sized linears on dense weights on the tensor cores (Gluon, mma.sync): bf16/fp16 weights (the bf16 weight
 mode), and fp32 weights with bf16 rows (the head) with true fp32 products.
 
-An fp32 weight is exactly the sum of three bf16 values (hi = bf16(w), mid = bf16(w - hi), lo = bf16(w - hi - mid):
-8 significant bits each, for every weight of magnitude in [2^-100, 2^127)), and a bf16 times a bf16 is exact in
-fp32. So with bf16 activations, x . w = x . hi + x . mid + x . lo is the true fp32-product dot, summed in fp32 by
-three MMAs (m16n8k16) per 32 columns into one accumulator: the reference's math (in float64 the pieces sum to w),
-fp32 rounding aside. That rounding is the tensor cores', not an FMA chain's: measured on an H100 the head's output
-(K 5120 in one accumulator) is 1.7e-5 from the float64 product relative to its norm, against under 1e-6 where the
-split of K keeps each accumulator short (384 x 5120; 100 x 96). A bf16/fp16 weight is its own single piece. The
-weights are the MMA's wide operand: lane t reads columns 8t to 8t + 7 of each 32-column group and the activations
-are read at the same columns (any k order serves a dot without scales), 8, 16 or 32 rows per program; a second
-weight of the same K (a pair on one input) takes the tiles past the first's. A row's result is the same at every row count (each MMA output is its own
-row's dot; the split of K follows from the weights), so batch invariant. Launched like the Triton kernels, PDL
-included.
+An fp32 weight is exactly the sum of three bf16 values (hi = bf16(w), mid = bf16(w - hi), lo = bf16(w - hi - mid): 8
+significant bits each, for every weight of magnitude in [2^-100, 2^127)), and a bf16 times a bf16 is exact in fp32. So
+with bf16 activations, x . w = x . hi + x . mid + x . lo is the true fp32-product dot, summed in fp32 by three MMAs
+(m16n8k16) per 32 columns into one accumulator: the reference's math (in float64 the pieces sum to w), fp32 rounding
+aside. That rounding is the tensor cores', not an FMA chain's: measured on an H100 the head's output (K 5120 in one
+accumulator) is 1.7e-5 from the float64 product relative to its norm, against under 1e-6 where the split of K keeps each
+accumulator short (384 x 5120; 100 x 96). A bf16/fp16 weight is its own single piece. The weights are the MMA's wide
+operand: lane t reads columns 8t to 8t + 7 of each 32-column group and the activations are read at the same columns (any
+k order serves a dot without scales), 8, 16 or 32 rows per program; a second weight of the same K (a pair on one input)
+takes the tiles past the first's. A row's result is the same at every row count (each MMA output is its own row's dot;
+the split of K follows from the weights), so batch invariant. Launched like the Triton kernels, PDL included.
 """
 
 from __future__ import annotations
