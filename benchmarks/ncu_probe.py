@@ -2,9 +2,11 @@
 
 One activation row (or one token for the MoE: 384 FP4 experts, top-6), random weights in the stored formats:
 
-    ncu --clock-control none --set full --kernel-name regex:"_linear_kernel|_moe_up_kernel|_moe_down_kernel" \\
+    ncu --clock-control none --set full --kernel-name regex:"_linear_rows_kernel|_moe_rows_.*|_fp4_mma_kernel" \\
         -o probe python3 benchmarks/ncu_probe.py [wq_a wq_b wo_b shared_w1 moe]
     ncu --import probe.ncu-rep --page details
+
+(`DEEPSEEK_V41_MMA_MOE=1` takes the MoE through the tensor cores; `bash benchmarks/ncu_decode_gpu.sh` runs both.)
 """
 
 from __future__ import annotations
