@@ -23,6 +23,7 @@ from modeling_deepseek_v41.kernels.triton import fp8_act_qdq, grouped_moe  # noq
 from modeling_deepseek_v41.kernels.triton.common import FMT_FP4_ROW, FMT_FP8_TILE  # noqa: E402
 from modeling_deepseek_v41.kernels.triton.linear import run_linear  # noqa: E402
 from modeling_deepseek_v41.kernels.triton.linear_rows import rows_linear  # noqa: E402
+from modeling_deepseek_v41.kernels.triton.moe_rows import ROWS_K_CHUNK  # noqa: E402
 from triton_kernels import HBM, LINEARS as ATTENTION_AND_SHARED, copies, graph_ms, random_fp4, random_fp8  # noqa: E402
 
 LINEARS = [(name, n, k, "fp8") for name, n, k in ATTENTION_AND_SHARED] + [("expert_w1", 2304, 5120, "fp4")]
@@ -70,9 +71,9 @@ def sweep_linears() -> None:
 
 
 def sweep_moe() -> None:
-    """The exact FP4 formulations over tilings and decode K splits: the rows formulation (moe_rows) against the
-    committed tensor-core tiles (f16 slices); at 384 experts (1, 6, 32 tokens) and at 32 (32 tokens: the realwidth
-    benchmark's cut, where each expert sees ~6 rows)."""
+    """The exact FP4 formulations over tilings and decode K splits: the rows formulation (moe_rows) and the
+    tensor-core experts (moe_mma, over K splits) against the committed tensor-core tiles (f16 slices); at 384
+    experts (1, 6, 32 tokens) and at 32 (32 tokens: the realwidth benchmark's cut, where each expert sees ~6 rows)."""
     e, d, inter, k = 384, 5120, 2304, 6
     w1, s1 = random_fp4((inter, d), 1, e)
     w3, s3 = random_fp4((inter, d), 1, e)
@@ -89,16 +90,26 @@ def sweep_moe() -> None:
     chunks = [dict(up=u, down=dn) for u, dn in [(1280, 1152), (640, 576)]]
     variants = [("rows", tile, chunk) for tile, chunk in itertools.product(rows_tiles, chunks)]
     variants += [("f16", None, None), ("bf16", None, None)]
+    # the tensor-core experts take the rows' K splits (moe_rows.ROWS_K_CHUNK): how many programs a launch has against
+    # the SMs' room for them (wave quantization at one token) moves with the split
+    variants += [("mma", None, dict(up=u, down=dn)) for u, dn in [(1280, 1152), (640, 576), (2560, 2304), (512, 384)]]
     results = []
     for form, tile, chunk in variants:
-        options = dict(rows=True) if form == "rows" else dict(f16_slices=form == "f16")
+        options = dict(rows=True) if form == "rows" else dict(mma=True) if form == "mma" else \
+            dict(f16_slices=form == "f16")
+        split = chunk if form != "mma" else None
+        saved = dict(ROWS_K_CHUNK)
+        if form == "mma":
+            ROWS_K_CHUNK.update(chunk)
         try:
             times = [graph_ms([lambda r=r, x=x, wt=wt: grouped_moe(x, r, wt, *stacks, limit=10.0, tile=tile,
-                                                                     k_chunks=chunk, **options) for r in routes])
+                                                                     k_chunks=split, **options) for r in routes])
                      for x, routes, wt in cases.values()]
         except Exception as error:
             log(f"  moe {form} {tile} {chunk}: failed ({type(error).__name__}: {error})"[:300])
             continue
+        finally:
+            ROWS_K_CHUNK.update(saved)
         results.append((sum(times[:3]), times, form, tile, chunk))
         print(f"  moe {form} {tile} {chunk}: " + "  ".join(f"{ms * 1e3:.1f}" for ms in times),
               flush=True)  # as it goes: a sweep stopped at its time limit still tells something
@@ -109,7 +120,8 @@ def sweep_moe() -> None:
     for _, times, form, tile, chunk in results:
         shown = "  ".join(f"{name} {ms * 1e3:7.1f} us" for name, ms in zip(cases, times))
         where = (f"BN{tile['BN']} BK{tile['BK']} w{tile['num_warps']} s{tile['num_stages']} up {chunk['up']} "
-                 f"down {chunk['down']}") if tile else "committed tiles"
+                 f"down {chunk['down']}") if tile else f"up {chunk['up']} down {chunk['down']}" if chunk else \
+            "committed tiles"
         log(f"  {form:<4} {where:<40}: {shown}")
 
 
