@@ -23,7 +23,6 @@ from modeling_deepseek_v41.kernels.triton import fp8_act_qdq, grouped_moe  # noq
 from modeling_deepseek_v41.kernels.triton.common import FMT_FP4_ROW, FMT_FP8_TILE  # noqa: E402
 from modeling_deepseek_v41.kernels.triton.linear import run_linear  # noqa: E402
 from modeling_deepseek_v41.kernels.triton.linear_rows import rows_linear  # noqa: E402
-from modeling_deepseek_v41.kernels.triton.moe_rows import ROWS_K_CHUNK  # noqa: E402
 from triton_kernels import HBM, LINEARS as ATTENTION_AND_SHARED, copies, graph_ms, random_fp4, random_fp8  # noqa: E402
 
 LINEARS = [(name, n, k, "fp8") for name, n, k in ATTENTION_AND_SHARED] + [("expert_w1", 2304, 5120, "fp4")]
@@ -90,26 +89,20 @@ def sweep_moe() -> None:
     chunks = [dict(up=u, down=dn) for u, dn in [(1280, 1152), (640, 576)]]
     variants = [("rows", tile, chunk) for tile, chunk in itertools.product(rows_tiles, chunks)]
     variants += [("f16", None, None), ("bf16", None, None)]
-    # the tensor-core experts take the rows' K splits (moe_rows.ROWS_K_CHUNK): how many programs a launch has against
-    # the SMs' room for them (wave quantization at one token) moves with the split
+    # the tensor-core experts over K splits: how many programs a launch has against the SMs' room for them (wave
+    # quantization at one token) moves with the split
     variants += [("mma", None, dict(up=u, down=dn)) for u, dn in [(1280, 1152), (640, 576), (2560, 2304), (512, 384)]]
     results = []
     for form, tile, chunk in variants:
         options = dict(rows=True) if form == "rows" else dict(mma=True) if form == "mma" else \
             dict(f16_slices=form == "f16")
-        split = chunk if form != "mma" else None
-        saved = dict(ROWS_K_CHUNK)
-        if form == "mma":
-            ROWS_K_CHUNK.update(chunk)
         try:
             times = [graph_ms([lambda r=r, x=x, wt=wt: grouped_moe(x, r, wt, *stacks, limit=10.0, tile=tile,
-                                                                     k_chunks=split, **options) for r in routes])
+                                                                     k_chunks=chunk, **options) for r in routes])
                      for x, routes, wt in cases.values()]
         except Exception as error:
             log(f"  moe {form} {tile} {chunk}: failed ({type(error).__name__}: {error})"[:300])
             continue
-        finally:
-            ROWS_K_CHUNK.update(saved)
         results.append((sum(times[:3]), times, form, tile, chunk))
         print(f"  moe {form} {tile} {chunk}: " + "  ".join(f"{ms * 1e3:.1f}" for ms in times),
               flush=True)  # as it goes: a sweep stopped at its time limit still tells something
