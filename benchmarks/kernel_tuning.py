@@ -86,6 +86,9 @@ def sweep_moe() -> None:
     rows_tiles = [dict(BN=bn, BM=16, BK=bk, num_warps=w, num_stages=st) for bn, bk, w, st in
                   [(64, 128, 4, 1), (64, 128, 4, 2), (64, 128, 4, 3), (32, 128, 4, 2), (32, 128, 4, 3),
                    (64, 64, 4, 3), (64, 64, 4, 4), (32, 64, 2, 3), (64, 256, 4, 2), (128, 128, 8, 2)]]
+    # the next slice's loads issued ahead into registers (no shared memory): loads in flight while a warp computes
+    rows_tiles += [dict(BN=bn, BM=16, BK=bk, num_warps=w, num_stages=1, prefetch=True) for bn, bk, w in
+                   [(64, 128, 4), (32, 128, 4), (64, 64, 4), (64, 128, 8), (128, 128, 8)]]
     chunks = [dict(up=u, down=dn) for u, dn in [(1280, 1152), (640, 576)]]
     variants = [("rows", tile, chunk) for tile, chunk in itertools.product(rows_tiles, chunks)]
     variants += [("f16", None, None), ("bf16", None, None)]
@@ -112,7 +115,8 @@ def sweep_moe() -> None:
         f"{32 * 3 * inter * d * (0.5 + 1 / 32) / HBM * 1e6:.1f} us")
     for _, times, form, tile, chunk in results:
         shown = "  ".join(f"{name} {ms * 1e3:7.1f} us" for name, ms in zip(cases, times))
-        where = (f"BN{tile['BN']} BK{tile['BK']} w{tile['num_warps']} s{tile['num_stages']} up {chunk['up']} "
+        where = (f"BN{tile['BN']} BK{tile['BK']} w{tile['num_warps']} s{tile['num_stages']}"
+                 f"{' prefetch' if tile.get('prefetch') else ''} up {chunk['up']} "
                  f"down {chunk['down']}") if tile else f"up {chunk['up']} down {chunk['down']}" if chunk else \
             "committed tiles"
         log(f"  {form:<4} {where:<40}: {shown}")
@@ -125,6 +129,8 @@ ROWS_SHAPES = [("wq_a+wkv", 1280, 512, 5120, 1), ("wq_b", 32768, 0, 1280, 1), ("
 ROWS_TILES = [dict(BN=bn, BK=bk, num_warps=w, num_stages=1) for bn, bk, w in
               [(32, 256, 4), (16, 256, 4), (64, 256, 4), (32, 128, 4), (32, 512, 4), (16, 512, 4), (64, 128, 4),
                (64, 256, 8), (32, 256, 2)]]
+ROWS_TILES += [dict(BN=bn, BK=bk, num_warps=w, num_stages=1, prefetch=True) for bn, bk, w in
+               [(64, 256, 4), (64, 128, 4), (32, 256, 4), (32, 128, 4), (64, 256, 8)]]
 
 
 def sweep_rows() -> None:
@@ -155,7 +161,7 @@ def sweep_rows() -> None:
 
         results = [(None, None, False, [graph_ms(calls("tiles", m)) for m in (1, 6, 8)])]
         for tile, target, fp32 in itertools.product(ROWS_TILES, (264, 528, 1056), (False, True)):
-            if target != 528 and (tile["num_warps"] != 4 or tile["BK"] != 256):
+            if target != 528 and (tile["num_warps"] != 4 or tile["BK"] != 256 or tile.get("prefetch")):
                 continue
             try:
                 results.append((tile, target, fp32, [graph_ms(calls("rows", m, tile, target, fp32))
@@ -166,7 +172,8 @@ def sweep_rows() -> None:
         log(f"\n{name} ({groups} x {n} + {n2}) x {k} fp8: roofline {nbytes / HBM * 1e6:.1f} us")
         for tile, target, fp32, (t1, t6, t8) in results[:10]:
             label = "committed tiles" if tile is None else \
-                f"rows BN{tile['BN']} BK{tile['BK']} w{tile['num_warps']} t{target} x {'fp32' if fp32 else 'bf16'}"
+                f"rows BN{tile['BN']} BK{tile['BK']} w{tile['num_warps']}{' pf' if tile.get('prefetch') else ''} " \
+                f"t{target} x {'fp32' if fp32 else 'bf16'}"
             log(f"  {label:<38}: M=1 {t1 * 1e3:6.1f} us  M=6 {t6 * 1e3:6.1f} us  M=8 {t8 * 1e3:6.1f} us")
         del w1, s1, w2, s2
 

@@ -90,6 +90,22 @@ def test_a_rows_sum_does_not_depend_on_the_calls_rows(split_target):
         assert _rel(full, ref) < 2e-6
 
 
+@pytest.mark.parametrize("split_target", [1, 512])
+def test_prefetching_the_next_tile_keeps_the_bits(split_target):
+    """The next tile's loads issued ahead (a tuning option) leave each row's products and their order alone: the
+    same bits as without, FP8 and dense weights, one row (QDQ'd inside) and six, ragged K, one split and several."""
+    n, k = 80, 352
+    w, s, _ = _fp8(n, k, seed=12)
+    dense = _randn(n, k, seed=13, scale=0.05, dtype=torch.bfloat16)
+    x = _randn(6, k, seed=14, dtype=torch.bfloat16)
+    for weight, scale, fmt in ((w, s, FMT_FP8_TILE), (dense, None, FMT_DENSE)):
+        for rows in (x[:1], x):
+            plain, ahead = (rows_linear(rows, weight, scale, fmt, n, k, torch.float32, tile=dict(TILE, prefetch=p),
+                                        split_target=split_target, quantize=fmt == FMT_FP8_TILE)
+                            for p in (False, True))
+            assert torch.equal(plain, ahead)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_rows_as_they_are_are_quantized_once_with_the_same_bits_at_any_row_count(dtype):
     """quantize=True takes the activations as they are: one row is FP8-QDQ'd inside the kernel, more rows by a QDQ

@@ -30,7 +30,7 @@ from modeling_deepseek_v41.kernels.triton.linear import (  # noqa: E402
 )
 from modeling_deepseek_v41.kernels.triton.linear_rows import ROWS_MAX_ROWS  # noqa: E402
 from modeling_deepseek_v41.kernels.triton.moe import MOE_DECODE_TILE, MOE_ROWS_MAX_TOKENS  # noqa: E402
-from modeling_deepseek_v41.kernels.triton.moe_rows import rows_moe  # noqa: E402
+from modeling_deepseek_v41.kernels.triton.moe_rows import ROWS_TILE as MOE_ROWS_TILE, rows_moe  # noqa: E402
 from modeling_deepseek_v41.kernels.triton.moe_schedule import expert_blocks  # noqa: E402
 from modeling_deepseek_v41.layers.linear import DeepseekV41Linear  # noqa: E402
 
@@ -520,6 +520,23 @@ def test_grouped_moe_split_k_sums_in_one_launch(quantized, rows):
     assert torch.equal(out, grouped_moe(tokens, experts, weights, *stacks, limit=10.0, tile=tile, k_chunks=split,
                                         rows=rows))
     assert _rel(out, _emulated_moe(tokens, experts, weights, stacks, limit=10.0)) < 2e-3
+
+
+@pytest.mark.parametrize("t", [1, 8])
+def test_rows_moe_prefetch_keeps_the_bits(t):
+    """The rows formulation with each next slice's loads issued ahead (a tuning option) sums the same products in
+    the same order as without: the same bits, over split K (3 and 2 splits of 64 columns), one row and pairs."""
+    n_experts, d, inter, top_k = 4, 192, 128, 2
+    stacks = _experts(n_experts, d, inter, True, seed=40)
+    tokens = _randn(t, d, seed=43, dtype=torch.bfloat16)
+    experts, weights = _routing(t, n_experts, top_k, seed=44)
+    split = dict(up=64, down=64)
+    plain = grouped_moe(tokens, experts, weights, *stacks, limit=10.0, tile=dict(MOE_ROWS_TILE, BK=64),
+                        k_chunks=split, rows=True)
+    ahead = grouped_moe(tokens, experts, weights, *stacks, limit=10.0, tile=dict(MOE_ROWS_TILE, BK=64, prefetch=True),
+                        k_chunks=split, rows=True)
+    assert torch.equal(plain, ahead)
+    assert _rel(ahead, _emulated_moe(tokens, experts, weights, stacks, limit=10.0)) < 2e-3
 
 
 @pytest.mark.parametrize("t", [MOE_ROWS_MAX_TOKENS, 19])

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import FP8_TILE, cast, e8m0_value, qdq_groups, reduce_sum
+from .common import FP8_TILE, cast, e8m0_byte_value, qdq_groups, reduce_sum
 from .splits import arrive_last, pair_operands, sum_partials
 from .workspace import split_buffers
 from .launch import launch_options, wait_for_inputs
@@ -44,6 +44,21 @@ def _row_part(w, scale, x_ptr, r, cols, k_ok, stride_xm, BN: tl.constexpr, BK: t
 
 
 @triton.jit
+def _tile_bytes(w_ptr, s_ptr, rows_n, k, k_stop, c, stride_wn, stride_sn, BK: tl.constexpr, WFMT: tl.constexpr):
+    """The stored [BN, BK] weight tile at column k and, for FP8 tiles, its [BN, BK/32] E8M0 scale bytes (127, i.e.
+    1.0, past K: past the row lies another row's scale, and 0 x inf = NaN), as loaded: masked past k_stop."""
+    cols = k + c
+    k_ok = cols < k_stop
+    w = tl.load(w_ptr + rows_n[:, None] * stride_wn + cols[None, :], mask=k_ok[None, :], other=0.0)
+    groups = k // 32 + tl.arange(0, BK // 32)
+    byte = tl.full([rows_n.shape[0], BK // 32], 127, tl.uint8)
+    if WFMT == FP8_TILE:
+        byte = tl.load(s_ptr + (rows_n // 32)[:, None] * stride_sn + groups[None, :],
+                       mask=(groups * 32 < k_stop)[None, :] & (rows_n >= 0)[:, None], other=127)
+    return w, byte
+
+
+@triton.jit
 def _store_row(total, r, offs_n, n_ok, out_ptr, out_col, stride_om, part_ptr, part_col, stride_pm, pid_s,
                split_stride, splits):
     """Row r's [BN] sums: the output (one split) or this split's partials."""
@@ -66,11 +81,13 @@ def _linear_rows_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N,
                         w2_ptr, s2_ptr, out2_ptr, N2, tiles1, stride_o2m,
                         BN: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, WFMT: tl.constexpr,
                         PAIR: tl.constexpr, ACC: tl.constexpr, W_ROUND: tl.constexpr,
-                        QDQ_X: tl.constexpr):
+                        QDQ_X: tl.constexpr, PREFETCH: tl.constexpr):
     """out[m, g*N + n] = sum over k of x[m, g*K + k] w[g*N + n, k] for the M = BM rows, this program's BN weight
     rows and split of K; the group g (block-diagonal weights) and split come from the grid's second axis.
     PAIR: a second weight w2 [N2, K] of the same storage on the same input, its tiles after the first's `tiles1`;
-    the partials [splits, M, N + N2] hold both. W_ROUND: a dtype the dense weight's values are rounded to first."""
+    the partials [splits, M, N + N2] hold both. W_ROUND: a dtype the dense weight's values are rounded to first.
+    PREFETCH: the next tile's loads are issued before this tile's arithmetic, so a warp's loads wait while it
+    computes (masked off past the split)."""
     wait_for_inputs()
     pid_n = tl.program_id(0)
     g = tl.program_id(1) // splits
@@ -97,19 +114,19 @@ def _linear_rows_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N,
     acc5 = tl.full([BN, G], 0.0, ACC)
     acc6 = tl.full([BN, G], 0.0, ACC)
     acc7 = tl.full([BN, G], 0.0, ACC)
+    if PREFETCH:
+        stored, byte = _tile_bytes(w_ptr, s_ptr, rows_n, k_start, k_stop, c, stride_wn, stride_sn, BK, WFMT)
     for k in range(k_start, k_stop, BK):
         cols = k + c
         k_ok = cols < k_stop
-        w = tl.load(w_ptr + rows_n[:, None] * stride_wn + cols[None, :], mask=k_ok[None, :], other=0.0)
-        w = w.to(tl.float32).to(ACC)  # e4m3 -> fp32 exactly (the interpreter converts e4m3 to fp32 only)
-        w = cast(w, W_ROUND).to(ACC)  # W_ROUND == ACC: no work
-        if WFMT == FP8_TILE:
-            groups = k // 32 + tl.arange(0, G)
-            # groups past K read no scale (1.0): past the row lies another row's scale, and 0 x inf = NaN
-            scale = e8m0_value(s_ptr + (rows_n // 32)[:, None] * stride_sn + groups[None, :],
-                               (groups * 32 < k_stop)[None, :] & (rows_n >= 0)[:, None]).to(ACC)
+        if PREFETCH:
+            stored_next, byte_next = _tile_bytes(w_ptr, s_ptr, rows_n, k + BK, k_stop, c, stride_wn, stride_sn, BK,
+                                                 WFMT)
         else:
-            scale = tl.full([BN, G], 1.0, ACC)
+            stored, byte = _tile_bytes(w_ptr, s_ptr, rows_n, k, k_stop, c, stride_wn, stride_sn, BK, WFMT)
+        w = stored.to(tl.float32).to(ACC)  # e4m3 -> fp32 exactly (the interpreter converts e4m3 to fp32 only)
+        w = cast(w, W_ROUND).to(ACC)  # W_ROUND == ACC: no work
+        scale = e8m0_byte_value(byte).to(ACC)
         acc0 += _row_part(w, scale, x_ptr, 0, cols, k_ok, stride_xm, BN, BK, ACC, QDQ_X)
         if BM > 1:
             acc1 += _row_part(w, scale, x_ptr, 1, cols, k_ok, stride_xm, BN, BK, ACC, QDQ_X)
@@ -125,6 +142,8 @@ def _linear_rows_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N,
             acc6 += _row_part(w, scale, x_ptr, 6, cols, k_ok, stride_xm, BN, BK, ACC, QDQ_X)
         if BM > 7:
             acc7 += _row_part(w, scale, x_ptr, 7, cols, k_ok, stride_xm, BN, BK, ACC, QDQ_X)
+        if PREFETCH:
+            stored, byte = stored_next, byte_next
     split_stride = M * stride_pm
     _store_row(reduce_sum(acc0, 1), 0, offs_n, n_ok, out_ptr, out_col, stride_om, part_ptr, part_col,
                stride_pm, pid_s, split_stride, splits)
@@ -209,6 +228,6 @@ def rows_linear(x2d: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | N
         x2d.stride(0), weight.stride(0), 0 if scale is None else scale.stride(0), out.stride(0), columns,
         w2, s2_arg, out2, n2, tiles1, out2.stride(0),
         BN=tile["BN"], BK=tile["BK"], BM=row_block(m), WFMT=fmt, PAIR=second is not None,
-        ACC=acc, W_ROUND=_ROUNDED.get(weight_round, acc), QDQ_X=quantize,
+        ACC=acc, W_ROUND=_ROUNDED.get(weight_round, acc), QDQ_X=quantize, PREFETCH=tile.get("prefetch", False),
         num_warps=tile["num_warps"], num_stages=tile["num_stages"], **launch_options())
     return (out, out2) if second is not None else out

@@ -78,12 +78,14 @@ def _slice_dot(v0, v1, v2, v3, v4, v5, v6, v7, scale, x, k, KW):
 @triton.jit
 def _row_dots(w_ptr, s_ptr, w2_ptr, s2_ptr, x_row, x_next, has_next, rows_n, k_start, k_stop, KW, stride_wn,
               stride_sn, BN: tl.constexpr, BK: tl.constexpr, TWO: tl.constexpr, PAIRS: tl.constexpr,
-              STAGES: tl.constexpr, IEEE: tl.constexpr):
+              STAGES: tl.constexpr, IEEE: tl.constexpr, PREFETCH: tl.constexpr):
     """[BN] dots of weight rows rows_n with the activation row x_row and (PAIRS, when has_next) the row x_next,
     over columns k_start..k_stop (whole BK slices): each slice unpacked once for both, each row summed alone in the
     same order as by itself. TWO: also the second weight's (the up projection's w1 and w3 in one pass). Returns
     (first, second) weight's dots of x_row, then of x_next. STAGES > 1: Triton's software pipeline copies the
-    slices STAGES - 1 ahead into shared memory (cp.async; 6-8x slower on the H200)."""
+    slices STAGES - 1 ahead into shared memory (cp.async; 6-8x slower on the H200). PREFETCH: the next slice's
+    loads are issued before this slice's arithmetic, into registers, so a warp's loads wait while it computes (the
+    last slice loads itself again, from cache, rather than past the split)."""
     G: tl.constexpr = BK // 32
     KW = tl.multiple_of(KW, 4)  # K is a multiple of 32
     w = tl.arange(0, BK // 8)
@@ -94,20 +96,36 @@ def _row_dots(w_ptr, s_ptr, w2_ptr, s2_ptr, x_row, x_next, has_next, rows_n, k_s
     acc2 = tl.full([BN, G], 0.0, tl.float32)
     nxt = tl.full([BN, G], 0.0, tl.float32)
     nxt2 = tl.full([BN, G], 0.0, tl.float32)
+    if PREFETCH:
+        word, byte = _slice_words(w_ptr, s_ptr, words, scales, k_start)
+        word2, byte2 = word, byte
+        if TWO:
+            word2, byte2 = _slice_words(w2_ptr, s2_ptr, words, scales, k_start)
     for k in tl.range(k_start, k_stop, BK, num_stages=STAGES):
-        word, byte = _slice_words(w_ptr, s_ptr, words, scales, k)
+        if PREFETCH:
+            k_next = tl.minimum(k + BK, k_stop - BK)
+            word_next, byte_next = _slice_words(w_ptr, s_ptr, words, scales, k_next)
+            word2_next, byte2_next = word_next, byte_next
+            if TWO:
+                word2_next, byte2_next = _slice_words(w2_ptr, s2_ptr, words, scales, k_next)
+        else:
+            word, byte = _slice_words(w_ptr, s_ptr, words, scales, k)
+            word2, byte2 = word, byte
+            if TWO:
+                word2, byte2 = _slice_words(w2_ptr, s2_ptr, words, scales, k)
         v0, v1, v2, v3, v4, v5, v6, v7, scale = _slice_values(word, byte, IEEE)
         acc += _slice_dot(v0, v1, v2, v3, v4, v5, v6, v7, scale, x, k, KW)
         if PAIRS:
             if has_next:
                 nxt += _slice_dot(v0, v1, v2, v3, v4, v5, v6, v7, scale, x2, k, KW)
         if TWO:
-            word2, byte2 = _slice_words(w2_ptr, s2_ptr, words, scales, k)
             v0, v1, v2, v3, v4, v5, v6, v7, scale = _slice_values(word2, byte2, IEEE)
             acc2 += _slice_dot(v0, v1, v2, v3, v4, v5, v6, v7, scale, x, k, KW)
             if PAIRS:
                 if has_next:
                     nxt2 += _slice_dot(v0, v1, v2, v3, v4, v5, v6, v7, scale, x2, k, KW)
+        if PREFETCH:
+            word, byte, word2, byte2 = word_next, byte_next, word2_next, byte2_next
     first, first_next = reduce_sum(acc, 1), reduce_sum(nxt, 1)
     second, second_next = first, first_next
     if TWO:
@@ -142,7 +160,8 @@ def _moe_rows_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, route_ptr,
                         block_start_ptr, block_end_ptr, part_ptr, count_ptr, P, N, K, k_chunk, splits, top_k, limit,
                         stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_hm,
                         BN: tl.constexpr, BK: tl.constexpr, ROUND_DTYPE: tl.constexpr, H_DTYPE: tl.constexpr,
-                        HAS_LIMIT: tl.constexpr, PAIRS: tl.constexpr, STAGES: tl.constexpr, IEEE: tl.constexpr):
+                        HAS_LIMIT: tl.constexpr, PAIRS: tl.constexpr, STAGES: tl.constexpr, IEEE: tl.constexpr,
+                        PREFETCH: tl.constexpr):
     """h for the rows of one block of one expert, BN columns, one split of K: w1 and w3 in one pass per row; with
     splits, the last program of the tile sums the partials and applies the SwiGLU."""
     wait_for_inputs()
@@ -165,7 +184,7 @@ def _moe_rows_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, route_ptr,
             gate, up, gate_next, up_next = _row_dots(
                 w1, s1, w3, s3, x_ptr + (pair // top_k).to(tl.int64) * stride_xm,
                 x_ptr + (pair_next // top_k).to(tl.int64) * stride_xm, has_next, rows_n, k_start, k_stop, K // 8,
-                stride_wn, stride_sn, BN, BK, True, PAIRS, STAGES, IEEE)
+                stride_wn, stride_sn, BN, BK, True, PAIRS, STAGES, IEEE, PREFETCH)
             _up_result(gate, up, r, pair, splits, part_ptr + tl.program_id(2) * split_stride, P, route_ptr, h_ptr,
                        offs_n, N, limit, stride_hm, BN, ROUND_DTYPE, H_DTYPE, HAS_LIMIT)
             if PAIRS and has_next:
@@ -195,7 +214,7 @@ def _down_result(acc, r, splits, pair_ptr, c_ptr, part, offs_n, N, stride_cm, RO
 def _moe_rows_down_kernel(h_ptr, w2_ptr, s2_ptr, c_ptr, pair_ptr, block_expert_ptr, block_start_ptr, block_end_ptr,
                           part_ptr, count_ptr, P, N, K, k_chunk, splits, stride_hm, stride_we, stride_wn, stride_se,
                           stride_sn, stride_cm, BN: tl.constexpr, BK: tl.constexpr, ROUND_DTYPE: tl.constexpr,
-                          PAIRS: tl.constexpr, STAGES: tl.constexpr, IEEE: tl.constexpr):
+                          PAIRS: tl.constexpr, STAGES: tl.constexpr, IEEE: tl.constexpr, PREFETCH: tl.constexpr):
     """contribution[pair, n] = h[sorted row] @ w2[expert]^T rounded to the activation dtype, row by row (one split
     of K per program; with splits, the last program of the tile sums the partials)."""
     wait_for_inputs()
@@ -214,7 +233,7 @@ def _moe_rows_down_kernel(h_ptr, w2_ptr, s2_ptr, c_ptr, pair_ptr, block_expert_p
             acc, _, acc_next, _ = _row_dots(w2, s2, w2, s2, h_ptr + r * stride_hm,
                                             h_ptr + tl.minimum(r + 1, end - 1) * stride_hm, has_next, rows_n,
                                             k_start, k_stop, K // 8, stride_wn, stride_sn, BN, BK, False, PAIRS,
-                                            STAGES, IEEE)
+                                            STAGES, IEEE, PREFETCH)
             _down_result(acc, r, splits, pair_ptr, c_ptr, part_ptr + tl.program_id(2) * P * N, offs_n, N, stride_cm,
                          ROUND_DTYPE)
             if PAIRS and has_next:
@@ -257,7 +276,8 @@ def rows_moe(tokens: torch.Tensor, route: torch.Tensor, schedule: tuple, w1: tor
     s1, s3, s2 = (s.view(torch.uint8) for s in (s1, s3, s2))
     # pairs where the blocks hold several rows (a row's sums are the same either way: batch invariant)
     launch = dict(launch_options(), num_warps=tile["num_warps"], IEEE=ieee, BN=tile["BN"],
-                  STAGES=tile.get("num_stages", 1), PAIRS=rows_per_expert(t, top_k, w1.shape[0]) >= PAIR_ROWS)
+                  STAGES=tile.get("num_stages", 1), PREFETCH=tile.get("prefetch", False),
+                  PAIRS=rows_per_expert(t, top_k, w1.shape[0]) >= PAIR_ROWS)
     rounding = dict(ROUND_DTYPE=_TL_DTYPES[act_dtype])
     grid, part, count, k_chunk, splits, bk = _launch(nb, inter, d, chunks["up"], tile["BN"], tile["BK"], 2 * pairs,
                                                      tokens.device)
