@@ -84,8 +84,7 @@ def sweep_moe() -> None:
         routes = [torch.rand(t, experts, device="cuda").topk(k, dim=-1).indices for _ in range(4)]
         cases[f"T={t} E={experts}"] = (tokens, routes, torch.rand(t, k, device="cuda"))
     rows_tiles = [dict(BN=bn, BM=16, BK=bk, num_warps=w, num_stages=st) for bn, bk, w, st in
-                  [(64, 128, 4, 1), (64, 128, 4, 2), (64, 128, 4, 3), (32, 128, 4, 2), (32, 128, 4, 3),
-                   (64, 64, 4, 3), (64, 64, 4, 4), (32, 64, 2, 3), (64, 256, 4, 2), (128, 128, 8, 2)]]
+                  [(64, 128, 4, 1), (64, 128, 4, 2), (32, 128, 4, 1), (32, 128, 4, 2)]]
     # the next slice's loads issued ahead into registers (no shared memory): loads in flight while a warp computes
     rows_tiles += [dict(BN=bn, BM=16, BK=bk, num_warps=w, num_stages=1, prefetch=True) for bn, bk, w in
                    [(64, 128, 4), (32, 128, 4), (64, 64, 4), (64, 128, 8), (128, 128, 8)]]
@@ -95,6 +94,7 @@ def sweep_moe() -> None:
     # the tensor-core experts over K splits: how many programs a launch has against the SMs' room for them (wave
     # quantization at one token) moves with the split
     variants += [("mma", None, dict(up=u, down=dn)) for u, dn in [(1280, 1152), (640, 576), (2560, 2304), (512, 384)]]
+    variants += [("mma", dict(prefetch=True), dict(up=u, down=dn)) for u, dn in [(1280, 1152), (640, 576)]]
     results = []
     for form, tile, chunk in variants:
         options = dict(rows=True) if form == "rows" else dict(mma=True) if form == "mma" else \
@@ -115,10 +115,10 @@ def sweep_moe() -> None:
         f"{32 * 3 * inter * d * (0.5 + 1 / 32) / HBM * 1e6:.1f} us")
     for _, times, form, tile, chunk in results:
         shown = "  ".join(f"{name} {ms * 1e3:7.1f} us" for name, ms in zip(cases, times))
-        where = (f"BN{tile['BN']} BK{tile['BK']} w{tile['num_warps']} s{tile['num_stages']}"
-                 f"{' prefetch' if tile.get('prefetch') else ''} up {chunk['up']} "
-                 f"down {chunk['down']}") if tile else f"up {chunk['up']} down {chunk['down']}" if chunk else \
-            "committed tiles"
+        ahead = " prefetch" if tile and tile.get("prefetch") else ""
+        where = (f"BN{tile['BN']} BK{tile['BK']} w{tile['num_warps']} s{tile['num_stages']}{ahead} up {chunk['up']} "
+                 f"down {chunk['down']}") if tile and "BN" in tile else \
+            f"up {chunk['up']} down {chunk['down']}{ahead}" if chunk else "committed tiles"
         log(f"  {form:<4} {where:<40}: {shown}")
 
 

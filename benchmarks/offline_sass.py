@@ -77,9 +77,10 @@ def kernels():
            "w2_ptr": "*i32", "s2_ptr": "*u8"}
     fp8 = {"x_ptr": "*fp16", "xs_ptr": "*fp32", "w_ptr": "*i32", "s_ptr": "*u8", "out_ptr": "*bf16",
            "part_ptr": "*fp32", "count_ptr": "*i32", "w2_ptr": "*i32", "s2_ptr": "*u8", "out2_ptr": "*bf16"}
-    for bm in (8, 16, 32):
-        yield (f"fp4_mma (FP4 experts, per 128-column slice), {bm} rows", fp4_mma._fp4_mma_kernel, fp4,
-               {"BN": 128, "BM": bm, "WORD_ASM": fp4_mma._FP4_WORD_ASM.value, "ROWS_ARE_TOKENS": False})
+    for bm, prefetch in ((8, False), (8, True), (16, False), (32, False)):
+        yield (f"fp4_mma (FP4 experts, per 128-column slice), {bm} rows{', prefetch' if prefetch else ''}",
+               fp4_mma._fp4_mma_kernel, fp4, {"BN": 128, "BM": bm, "WORD_ASM": fp4_mma._FP4_WORD_ASM.value,
+                                              "ROWS_ARE_TOKENS": False, "PREFETCH": prefetch})
     yield ("fp8_mma (FP8 linears, per 128-column slice), 8 rows QDQ'd inside", fp8_mma._fp8_mma_kernel,
            dict(fp8, x_ptr="*bf16"), {"BN": 128, "BM": 8, "QDQ": True})
     for bm in (8, 16, 32):

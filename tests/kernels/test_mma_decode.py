@@ -42,9 +42,9 @@ def _mma_columns(k):
 
 
 def _dense_partials(x_codes, x_scales, w, scales, pair_of_row, top_k, block_expert, block_start, block_end, k_chunk,
-                    block_rows, second=None):
+                    block_rows, second=None, prefetch=False):
     """fp4_mma_partials' contract computed densely: per K chunk, each sorted row's product with its expert's
-    dequantized weight (columns of the second stack after the first's)."""
+    dequantized weight (columns of the second stack after the first's; `prefetch` changes no value)."""
     if second is not None:
         return torch.cat([_dense_partials(x_codes, x_scales, ww, ss, pair_of_row, top_k, block_expert, block_start,
                                           block_end, k_chunk, block_rows) for ww, ss in ((w, scales), second)], dim=-1)
@@ -138,7 +138,7 @@ def test_the_formulation_is_asked_for_or_switched_on(monkeypatch):
 @pytest.mark.parametrize("e,t", [(8, 1), (32, 6), (32, 32), (384, 32), (32, 256)])
 def test_cuda_products_keep_their_contract_at_released_shapes(e, t):
     """At every block size a row's products are its own (8, 16 and 32 rows give the same bits) and equal the dense
-    contract up to fp32 summation order."""
+    contract up to fp32 summation order; loading each next slice ahead gives the same bits."""
     from modeling_deepseek_v41.kernels.triton.fp4_mma import fp4_mma_partials
     from modeling_deepseek_v41.kernels.triton.moe_schedule import moe_schedule
     n, k, top_k = 2304, 5120, 6
@@ -155,6 +155,8 @@ def test_cuda_products_keep_their_contract_at_released_shapes(e, t):
             want = _dense_partials(codes, xs, w1, s1, pair_of_row, top_k, *blocks, 1280, block_rows,
                                    second=(w3, s3))
             assert _rel(got.sum(0), want.sum(0)) < 1e-5
+            assert torch.equal(got, fp4_mma_partials(codes, xs, w1, s1, pair_of_row, top_k, *blocks, 1280,
+                                                     block_rows, second=(w3, s3), prefetch=True))
     assert torch.equal(by_rows[8], by_rows[16]) and torch.equal(by_rows[8], by_rows[32])
 
 

@@ -27,6 +27,7 @@ from .mma_common import A_OPERAND, B_OPERAND, MMA, SLICE, activations_layout, sp
 from .launch import launch_options
 
 _SLICE = gl.constexpr(SLICE)
+PREFETCH = False  # the kernel's PREFETCH when a call does not say: kernel_tuning.py --only moe decides it
 
 
 @gluon.jit
@@ -50,13 +51,21 @@ def _group_dot(acc, word, xg, sw, sx, BN: gl.constexpr, BM: gl.constexpr, WORD_A
 
 
 @gluon.jit
+def _slice_words(w_rows, s_rows, k):
+    """The [BN, 4 lanes, 4 groups] words of the 128-column slice at column k and its 4 groups' scale bytes (one
+    int32 per weight row)."""
+    return gl.load(w_rows + k // 8), gl.load((s_rows + k // 32).to(gl.pointer_type(gl.int32), bitcast=True))
+
+
+@gluon.jit
 def _fp4_mma_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, pair_ptr, block_expert_ptr, block_start_ptr,
                     block_end_ptr, P, N, K, k_chunk, top_k, stride_xm, stride_xsm, stride_we, stride_wn, stride_se,
                     stride_sn, w2_ptr, s2_ptr, N2, tiles1, BN: gl.constexpr, BM: gl.constexpr,
-                    WORD_ASM: gl.constexpr, ROWS_ARE_TOKENS: gl.constexpr):
+                    WORD_ASM: gl.constexpr, ROWS_ARE_TOKENS: gl.constexpr, PREFETCH: gl.constexpr):
     """out[split, r, n] = sum over this split's k of x[token(r), k] w[expert, n, k], fp32, for the block's rows
     (token(r) = pair(r) // top_k, or r itself). Tiles past `tiles1` take a second stack w2 (scales s2, the same
-    strides) into columns N to N + N2."""
+    strides) into columns N to N + N2. PREFETCH: the next slice's words and scales are loaded before this slice's
+    MMAs (Gluon issues loads where they stand; the last slice loads itself again, from cache)."""
     wait_for_inputs()
     XL: gl.constexpr = activations_layout(BM)
     # [128 rows, 4 t, 4 groups] words where the A fragments want them: lane 4 (row % 8) + t holds rows r and r + 8
@@ -105,10 +114,14 @@ def _fp4_mma_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, pair_ptr, block_expert
         s_rows = s_ptr + expert * stride_se + gl.minimum(n_c, N - 1).to(gl.int64) * stride_sn
         xs_rows = xs_ptr + tok_c * stride_xsm
         acc = gl.zeros([BN, BM], gl.float32, MMA)
+        if PREFETCH:
+            words, bytes4 = _slice_words(w_rows, s_rows, k_start)
         for k in range(k_start, k_stop, _SLICE):
-            words = gl.load(w_rows + k // 8)  # [BN, 4 lanes, 4 groups]
+            if PREFETCH:
+                words_next, bytes4_next = _slice_words(w_rows, s_rows, gl.minimum(k + _SLICE, k_stop - _SLICE))
+            else:
+                words, bytes4 = _slice_words(w_rows, s_rows, k)
             w0, w1, w2, w3 = split_groups(gl.reshape(words, [BN, 4, 2, 2]))
-            bytes4 = gl.load((s_rows + k // 32).to(gl.pointer_type(gl.int32), bitcast=True))  # 4 groups' scales
             xs4 = gl.load(x_rows + k, mask=x_ok, other=0.0)  # [BM, 4, 4, 8]
             x0, x1, x2, x3 = split_groups(gl.reshape(gl.permute(xs4, [0, 1, 3, 2]), [BM, 4, 8, 2, 2]))
             for g in gl.static_range(4):
@@ -120,6 +133,8 @@ def _fp4_mma_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, pair_ptr, block_expert
                 sw = _e8m0_x64(bytes4 >> (8 * g))
                 sx = gl.load(xs_rows + k // 32 + g, mask=r_c < end, other=0.0)
                 acc = _group_dot(acc, word, xg, sw, sx, BN, BM, WORD_ASM)
+            if PREFETCH:
+                words, bytes4 = words_next, bytes4_next
         out = (out_ptr + gl.program_id(2).to(gl.int64) * P * NT + r_c[None, :].to(gl.int64) * NT + col0
                + n_c[:, None])
         gl.store(out, acc, mask=(n_c < N)[:, None] & (r_c < end)[None, :])
@@ -128,12 +143,14 @@ def _fp4_mma_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, pair_ptr, block_expert
 def fp4_mma_partials(x_codes: torch.Tensor, x_scales: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
                      pair_of_row: torch.Tensor | None, top_k: int, block_expert: torch.Tensor,
                      block_start: torch.Tensor, block_end: torch.Tensor, k_chunk: int, block_rows: int,
-                     second: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                     second: tuple[torch.Tensor, torch.Tensor] | None = None, prefetch: bool | None = None
+                     ) -> torch.Tensor:
     """Split partials [splits, P, N (+ N)] fp32 of the sorted rows' products with their expert's packed FP4 weight
     (and with a second stack's of the same shape, its columns after the first's). x_codes [T, K] fp16 e4m3 values
     at mma_position, x_scales [T, K/32] fp32; w [E, N, K/2] packed e2m1 as shipped; scales [E, N, K/32] E8M0;
     pair_of_row [P] int32 (sorted row r reads x's row pair_of_row[r] // top_k), or None (it reads row r); blocks
-    of <= block_rows (8, 16 or 32) rows of one expert (moe_schedule)."""
+    of <= block_rows (8, 16 or 32) rows of one expert (moe_schedule). prefetch: the kernel's PREFETCH (None: the
+    module's)."""
     e, n, half_k = w.shape
     k = half_k * 2
     if block_rows not in (8, 16, 32) or k % SLICE or not (w.is_contiguous() and scales.is_contiguous()):
@@ -156,5 +173,7 @@ def fp4_mma_partials(x_codes: torch.Tensor, x_scales: torch.Tensor, w: torch.Ten
                           k_chunk, top_k, x_codes.stride(0), x_scales.stride(0), words.stride(0), words.stride(1),
                           s.stride(0), s.stride(1), words2, s2, n2, tiles1, BN=128, BM=block_rows,
                           WORD_ASM=_FP4_WORD_ASM.value,
-                          ROWS_ARE_TOKENS=pair_of_row is None, num_warps=4, **launch_options())
+                          ROWS_ARE_TOKENS=pair_of_row is None,
+                          PREFETCH=PREFETCH if prefetch is None else prefetch, num_warps=4,
+                          **launch_options())
     return out

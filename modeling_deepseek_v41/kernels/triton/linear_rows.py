@@ -25,7 +25,8 @@ from .launch import launch_options, wait_for_inputs
 from .quant import fp8_act_qdq
 
 ROWS_MAX_ROWS = 8
-ROWS_TILE = {"BN": 64, "BK": 256, "num_warps": 4, "num_stages": 1}  # kernel_tuning.py --only rows, H200
+# kernel_tuning.py --only rows, H200 (prefetch: each next tile's loads issued ahead, not yet timed)
+ROWS_TILE = {"BN": 64, "BK": 256, "num_warps": 4, "num_stages": 1, "prefetch": False}
 SPLIT_TARGET_PROGRAMS = 528  # about four programs per SM; a constant, so the split depends on (N, K) only
 _ROUNDED = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -228,6 +229,7 @@ def rows_linear(x2d: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | N
         x2d.stride(0), weight.stride(0), 0 if scale is None else scale.stride(0), out.stride(0), columns,
         w2, s2_arg, out2, n2, tiles1, out2.stride(0),
         BN=tile["BN"], BK=tile["BK"], BM=row_block(m), WFMT=fmt, PAIR=second is not None,
-        ACC=acc, W_ROUND=_ROUNDED.get(weight_round, acc), QDQ_X=quantize, PREFETCH=tile.get("prefetch", False),
+        ACC=acc, W_ROUND=_ROUNDED.get(weight_round, acc), QDQ_X=quantize,
+        PREFETCH=tile.get("prefetch", False),
         num_warps=tile["num_warps"], num_stages=tile["num_stages"], **launch_options())
     return (out, out2) if second is not None else out

@@ -221,7 +221,8 @@ def grouped_moe(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
     mma (default: with mma_choice.use_mma_moe on, packed FP4 experts on CUDA up to MOE_DECODE_MAX_TOKENS tokens, no
     other formulation asked for): the products on the tensor cores in blocks of 8 to 32 rows of one expert
     (moe_mma.py, fp4_mma.py), the rows formulation's numbers up to fp32 summation order, batch invariant.
-    `tile`/`k_chunks` override the regime's tiling and decode splits (benchmarks only; mma takes `k_chunks`)."""
+    `tile`/`k_chunks` override the regime's tiling and decode splits (benchmarks only; mma takes `k_chunks` and a
+    tile of only {"prefetch": bool})."""
     if tokens.dim() != 2 or experts.dim() != 2 or experts.shape[0] != tokens.shape[0]:
         raise ValueError(f"grouped_moe takes tokens [T, D] and experts [T, k]; got {tuple(tokens.shape)} and "
                          f"{tuple(experts.shape)}")
@@ -243,8 +244,9 @@ def grouped_moe(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
         raise ValueError(f"FP4 experts need hidden ({d}) and intermediate ({inter}) sizes divisible by 32")
     decode = t <= MOE_DECODE_MAX_TOKENS
     fp8_dot = quantized and fp8_dot
-    others = (fp8_dot, f16_slices is not None, rows is not None, grouped_gemm is not None, tile)  # not mma's
-    forced = (*others, k_chunks)
+    mma_tile = tile is not None and set(tile) <= {"prefetch"}  # the only tiling option the tensor-core path has
+    others = (fp8_dot, f16_slices is not None, rows is not None, grouped_gemm is not None, tile and not mma_tile)
+    forced = (*others, k_chunks, tile)
     if mma is None:
         mma = (mma_moe_enabled() and tokens.is_cuda and fmt == FMT_FP4_ROW and decode and not any(forced)
                and d % 128 == 0 and inter % 128 == 0)
@@ -255,7 +257,7 @@ def grouped_moe(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
         block_rows = mma_block_rows(t, top_k, n_experts)
         *schedule, order = moe_schedule(experts, n_experts, block_rows)
         contributions = mma_moe(tokens.contiguous(), route, schedule, block_rows, w1, s1, w3, s3, w2, s2, limit,
-                                top_k, k_chunks)
+                                top_k, k_chunks, prefetch=tile.get("prefetch") if tile else None)
         return _combine(contributions, order, shared)
     if rows is None:
         rows = (t <= rows_token_limit(top_k, n_experts) and fmt == FMT_FP4_ROW and not fp8_dot

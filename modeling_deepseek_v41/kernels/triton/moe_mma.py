@@ -94,11 +94,12 @@ def _mma_partials(*args, **kwargs) -> torch.Tensor:
 
 def mma_moe(tokens: torch.Tensor, route: torch.Tensor, schedule: tuple, block_rows: int, w1: torch.Tensor,
             s1: torch.Tensor, w3: torch.Tensor, s3: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, limit: float,
-            top_k: int, k_chunks: dict | None = None) -> torch.Tensor:
+            top_k: int, k_chunks: dict | None = None, prefetch: bool | None = None) -> torch.Tensor:
     """The contributions [pairs, D] (activation dtype) of every (token, expert) pair, for moe.grouped_moe, as
     moe_rows.rows_moe gives them. schedule: moe_schedule's (pair_of_row, block_expert, block_start, block_end) for
     blocks of block_rows rows (mma_block_rows); w1, w3 [E, I, D/2] and w2 [E, D, I/2] packed FP4 with E8M0 scales
-    [E, N, K/32]. k_chunks: K columns per split {"up", "down"}, by default the rows formulation's."""
+    [E, N, K/32]. k_chunks: K columns per split {"up", "down"}, by default the rows formulation's; prefetch:
+    fp4_mma's (the next slice's loads issued ahead; None: its module's default)."""
     if tokens.shape[1] % 128 or w1.shape[1] % 128:
         raise ValueError(f"the tensor-core MoE decode takes hidden ({tokens.shape[1]}) and intermediate "
                          f"({w1.shape[1]}) sizes divisible by 128")
@@ -107,7 +108,7 @@ def mma_moe(tokens: torch.Tensor, route: torch.Tensor, schedule: tuple, block_ro
     blocks = (block_expert, block_start, block_end)
     chunks = k_chunks or ROWS_K_CHUNK  # constants, so the split count is the shapes'
     gate_up = _mma_partials(codes, xs, w1, s1, pair_of_row, top_k, *blocks, chunks["up"], block_rows,
-                            second=(w3, s3))
+                            second=(w3, s3), prefetch=prefetch)
     h, hs = up_finish(gate_up, route, pair_of_row, limit, tokens.dtype)
-    down = _mma_partials(h, hs, w2, s2, None, top_k, *blocks, chunks["down"], block_rows)
+    down = _mma_partials(h, hs, w2, s2, None, top_k, *blocks, chunks["down"], block_rows, prefetch=prefetch)
     return down_finish(down, pair_of_row, tokens.dtype)

@@ -27,7 +27,7 @@ from .workspace import split_buffers
 from .launch import launch_options, wait_for_inputs
 
 # the fastest of a sweep on the H200 (num_stages > 1, Triton's cp.async pipeline of the slices, not yet measured)
-ROWS_TILE = {"BN": 64, "BK": 128, "BM": 16, "num_warps": 4, "num_stages": 1}
+ROWS_TILE = {"BN": 64, "BK": 128, "BM": 16, "num_warps": 4, "num_stages": 1, "prefetch": False}
 # K columns per split, constants so the split count depends on the shapes only (fills the GPU at one token)
 ROWS_K_CHUNK = {"up": 1280, "down": 1152}
 # rows two at a time (each weight slice unpacked once for both; more registers) from this many expected rows per
