@@ -81,11 +81,13 @@ def kernels():
         yield (f"fp4_mma (FP4 experts, per 128-column slice), {bm} rows{', prefetch' if prefetch else ''}",
                fp4_mma._fp4_mma_kernel, fp4, {"BN": 128, "BM": bm, "WORD_ASM": fp4_mma._FP4_WORD_ASM.value,
                                               "ROWS_ARE_TOKENS": False, "PREFETCH": prefetch})
-    yield ("fp8_mma (FP8 linears, per 128-column slice), 8 rows QDQ'd inside", fp8_mma._fp8_mma_kernel,
-           dict(fp8, x_ptr="*bf16"), {"BN": 128, "BM": 8, "QDQ": True})
+    for prefetch in (False, True):
+        yield (f"fp8_mma (FP8 linears, per 128-column slice), 8 rows QDQ'd inside{', prefetch' if prefetch else ''}",
+               fp8_mma._fp8_mma_kernel, dict(fp8, x_ptr="*bf16"), {"BN": 128, "BM": 8, "QDQ": True,
+                                                                    "PREFETCH": prefetch})
     for bm in (8, 16, 32):
         yield (f"fp8_mma (FP8 linears, per 128-column slice), {bm} rows", fp8_mma._fp8_mma_kernel, fp8,
-               {"BN": 128, "BM": bm, "QDQ": False})
+               {"BN": 128, "BM": bm, "QDQ": False, "PREFETCH": False})
     for weight, pieces, out in (("fp32", 3, "fp32"), ("bf16", 1, "bf16")):
         dense = {"x_ptr": "*bf16", "w_ptr": f"*{weight}", "out_ptr": f"*{out}", "part_ptr": "*fp32",
                  "count_ptr": "*i32", "w2_ptr": f"*{weight}", "out2_ptr": f"*{out}"}

@@ -416,8 +416,8 @@ def main() -> None:
                         help="FP8 linears of up to 8 rows on the tensor cores (kernels.triton.use_mma_linears; off by "
                              "default until timed)")
     parser.add_argument("--prefetch", action="store_true",
-                        help="the decode kernels issue each next slice's loads ahead (the rows linears and experts and "
-                             "the tensor-core experts; a candidate default, off until timed)")
+                        help="the decode kernels issue each next slice's loads ahead (the rows linears and experts, the "
+                             "tensor-core experts and linears; a candidate default, off until timed)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/realwidth.py needs a CUDA GPU.")
@@ -427,8 +427,9 @@ def main() -> None:
     if args.linear_mma:
         use_mma_linears(True)
     if args.prefetch:  # the committed tiles with the option flipped, for an A/B of the candidate
-        from modeling_deepseek_v41.kernels.triton import fp4_mma, linear_rows, moe_rows
-        linear_rows.ROWS_TILE["prefetch"] = moe_rows.ROWS_TILE["prefetch"] = fp4_mma.PREFETCH = True
+        from modeling_deepseek_v41.kernels.triton import fp4_mma, fp8_mma, linear_rows, moe_rows
+        linear_rows.ROWS_TILE["prefetch"] = moe_rows.ROWS_TILE["prefetch"] = True
+        fp4_mma.PREFETCH = fp8_mma.PREFETCH = True
     from modeling_deepseek_v41.kernels.triton.launch import use_pdl
     start = time.perf_counter()
     model = build(released_config(args.mode, args.experts, args.engram_rows))

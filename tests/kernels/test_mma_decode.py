@@ -238,6 +238,7 @@ def test_cuda_fp8_linear_on_tensor_cores_is_the_exact_product_and_batch_invarian
         assert _rel(got, xq[:m] @ exact.t()) < 1e-5
         assert torch.equal(got[:1], alone)
         assert torch.equal(got[m - 1:m], fp8_mma_linear(x[m - 1:m], w, s, torch.float32))
+        assert torch.equal(got, fp8_mma_linear(x[:m], w, s, torch.float32, prefetch=True))  # loads ahead: same bits
     w2, s2 = _fp8(n // 2 + 32, k, seed=n + 1)  # a pair: both products from one launch
     a, b = fp8_mma_linear(x[:3], w, s, torch.float32, second=(w2, s2))
     assert _rel(a, xq[:3] @ exact.t()) < 1e-5

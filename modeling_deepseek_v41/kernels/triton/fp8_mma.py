@@ -31,6 +31,7 @@ from .workspace import split_buffers
 from .launch import launch_options
 
 _SLICE = gl.constexpr(SLICE)
+PREFETCH = False  # the kernel's PREFETCH when a call does not say (realwidth.py --prefetch times it)
 
 # int32 of four e4m3 bytes -> four fp16 (byte i -> output i): bytes 0-1 and 2-3 each one conversion
 _BYTES_ASM = gl.constexpr("""
@@ -71,13 +72,14 @@ def _quantized_slice(xv):
 @gluon.jit
 def _fp8_mma_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K, k_chunk, splits,
                     stride_xm, stride_xsm, stride_wn, stride_sn, w2_ptr, s2_ptr, out2_ptr, N2, tiles1,
-                    BN: gl.constexpr, BM: gl.constexpr, QDQ: gl.constexpr):
+                    BN: gl.constexpr, BM: gl.constexpr, QDQ: gl.constexpr, PREFETCH: gl.constexpr):
     """out[m, n] = sum over k of QDQ(x)[m, k] w[n, k]: this program's BN weight rows, BM rows and split of K; the
     last program of a (tile, row block) sums the splits' partials in split order. QDQ: x holds the raw rows, QDQ'd
     as they are read (every program repeats it for its slices: worth it for a few rows, where a launch of its own
     would cost more than the linear); else x holds their e4m3 values at mma_position and xs their scales. Tiles
     past `tiles1` take a second weight w2 [N2, K] (scales s2, output out2, the same strides) on the same rows. A
-    row's sums are the same at any BM and either way (each MMA output is its own row's dot): batch invariant."""
+    row's sums are the same at any BM and either way (each MMA output is its own row's dot): batch invariant.
+    PREFETCH: the next slice's weight words are loaded before this slice's MMAs (the last loads itself again)."""
     wait_for_inputs()
     # [128 rows, 4 t, 4 groups, 2 words]: lane 4 (row % 8) + t holds rows r and r + 8 of its warp's 16-row tile
     # (and + 64), its 8 bytes of each group
@@ -134,8 +136,13 @@ def _fp8_mma_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M
     s_rows = s_ptr + (gl.minimum(n_c, N - 1) // 32).to(gl.int64) * stride_sn
     xs_rows = xs_ptr + r_c.to(gl.int64) * stride_xsm
     acc = gl.zeros([BN, BM], gl.float32, MMA)
+    if PREFETCH:
+        words = gl.load(w_rows + k_start // 4)
     for k in range(k_start, k_stop, _SLICE):
-        words = gl.load(w_rows + k // 4)  # [BN, 4 lanes, 4 groups, 2 words]
+        if PREFETCH:
+            words_next = gl.load(w_rows + gl.minimum(k + _SLICE, k_stop - _SLICE) // 4)
+        else:
+            words = gl.load(w_rows + k // 4)  # [BN, 4 lanes, 4 groups, 2 words]
         lo, hi = gl.split(words)  # bytes 0-3 and 4-7 of each lane's group
         lo0, lo1, lo2, lo3 = split_groups(gl.reshape(lo, [BN, 4, 2, 2]))
         hi0, hi1, hi2, hi3 = split_groups(gl.reshape(hi, [BN, 4, 2, 2]))
@@ -161,15 +168,18 @@ def _fp8_mma_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M
             else:
                 sx = gl.load(xs_rows + k // 32 + g, mask=r_c < M, other=0.0)
             acc = _group_dot(acc, w01, w23, xg, sw, sx, BN, BM)
+        if PREFETCH:
+            words = words_next
     store_split(acc, out_ptr, part_ptr, count_ptr, r_c, n_c, M, N, pid_s, splits)
 
 
 def fp8_mma_linear(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype,
-                   second: tuple[torch.Tensor, torch.Tensor] | None = None
+                   second: tuple[torch.Tensor, torch.Tensor] | None = None, prefetch: bool | None = None
                    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """[M, N] = QDQ(rows) [M, K] @ weight^T (rows bf16/fp32), weight e4m3 [N, K] as shipped with E8M0 scales
     [N/32, K/32]; with second = (weight2, scale2) of the same K, both products from one launch. Programs take
-    mma_common.block_rows(M) rows; the split of K follows from the weights' shapes alone."""
+    mma_common.block_rows(M) rows; the split of K follows from the weights' shapes alone. prefetch: the kernel's
+    PREFETCH (None: the module's)."""
     m, k = rows.shape
     n = weight.shape[0]
     w2, s2 = second if second is not None else (weight, scale)
@@ -189,6 +199,7 @@ def fp8_mma_linear(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     x, xs = (rows, rows) if qdq else fp8_act_quant(rows, torch.float16, mma_order=True)
     _fp8_mma_kernel[(tiles, splits, row_blocks)](x, xs, words, s, out, part, count, m, n, k, per * SLICE, splits,
                                                  x.stride(0), xs.stride(0), words.stride(0), s.stride(0), words2, s2,
-                                                 out2, n2, tiles1, BN=128, BM=bm, QDQ=qdq, num_warps=4,
-                                                 **launch_options())
+                                                 out2, n2, tiles1, BN=128, BM=bm, QDQ=qdq,
+                                                 PREFETCH=PREFETCH if prefetch is None else prefetch,
+                                                 num_warps=4, **launch_options())
     return (out, out2) if second is not None else out
