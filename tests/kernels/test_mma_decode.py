@@ -155,8 +155,9 @@ def test_cuda_products_keep_their_contract_at_released_shapes(e, t):
             want = _dense_partials(codes, xs, w1, s1, pair_of_row, top_k, *blocks, 1280, block_rows,
                                    second=(w3, s3))
             assert _rel(got.sum(0), want.sum(0)) < 1e-5
-            assert torch.equal(got, fp4_mma_partials(codes, xs, w1, s1, pair_of_row, top_k, *blocks, 1280,
-                                                     block_rows, second=(w3, s3), prefetch=True))
+            assert all(torch.equal(got, fp4_mma_partials(codes, xs, w1, s1, pair_of_row, top_k, *blocks, 1280,
+                                                         block_rows, second=(w3, s3), prefetch=ahead))
+                       for ahead in (False, True))
     assert torch.equal(by_rows[8], by_rows[16]) and torch.equal(by_rows[8], by_rows[32])
 
 

@@ -27,7 +27,9 @@ from .mma_common import A_OPERAND, B_OPERAND, MMA, SLICE, activations_layout, sp
 from .launch import launch_options
 
 _SLICE = gl.constexpr(SLICE)
-PREFETCH = False  # the kernel's PREFETCH when a call does not say: kernel_tuning.py --only moe decides it
+# the kernel's PREFETCH when a call does not say (H100, one 384-expert layer at one token: 82.8 against 88.8 us;
+# the same from 6 tokens; kernel_tuning.py --only moe)
+PREFETCH = True
 
 
 @gluon.jit
