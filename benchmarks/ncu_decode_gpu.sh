@@ -6,7 +6,7 @@
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 KERNELS='regex:_linear_rows_kernel|_moe_rows_up_kernel|_moe_rows_down_kernel|_fp4_mma_kernel'
-timeout 200 ncu --clock-control none --set full --kernel-name "$KERNELS" -o $OUT/rows \
+DEEPSEEK_V41_MMA_MOE=0 timeout 200 ncu --clock-control none --set full --kernel-name "$KERNELS" -o $OUT/rows \
     python3 benchmarks/ncu_probe.py wq_a wq_b wo_b shared_w1 moe > $OUT/ncu_rows.log 2>&1
 DEEPSEEK_V41_MMA_MOE=1 timeout 150 ncu --clock-control none --set full --kernel-name "$KERNELS" -o $OUT/mma \
     python3 benchmarks/ncu_probe.py moe > $OUT/ncu_mma.log 2>&1

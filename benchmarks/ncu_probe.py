@@ -6,7 +6,8 @@ One activation row (or one token for the MoE: 384 FP4 experts, top-6), random we
         -o probe python3 benchmarks/ncu_probe.py [wq_a wq_b wo_b shared_w1 moe]
     ncu --import probe.ncu-rep --page details
 
-(`DEEPSEEK_V41_MMA_MOE=1` takes the MoE through the tensor cores; `bash benchmarks/ncu_decode_gpu.sh` runs both.)
+(the MoE takes the tensor cores where Triton has Gluon, the rows kernels with `DEEPSEEK_V41_MMA_MOE=0`;
+`bash benchmarks/ncu_decode_gpu.sh` runs both.)
 """
 
 from __future__ import annotations

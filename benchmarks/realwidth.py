@@ -409,9 +409,12 @@ def main() -> None:
     parser.add_argument("--pdl", choices=("off", "on", "both"), default="off",
                         help="programmatic dependent launch of the kernels (both: the decode rows without, then with "
                              "it; everything after runs with it)")
-    parser.add_argument("--moe-mma", action="store_true",
-                        help="decode-sized MoE calls on the tensor cores (kernels.triton.use_mma_moe; off by default "
-                             "until timed)")
+    moe = parser.add_mutually_exclusive_group()
+    moe.add_argument("--moe-mma", action="store_true",
+                     help="decode-sized MoE calls on the tensor cores (kernels.triton.use_mma_moe; the default where "
+                          "Triton has Gluon, unless DEEPSEEK_V41_MMA_MOE=0)")
+    moe.add_argument("--no-moe-mma", action="store_true",
+                     help="decode-sized MoE calls on the CUDA cores (the rows formulation, the FP4 tiles)")
     parser.add_argument("--linear-mma", action="store_true",
                         help="FP8 linears of up to 8 rows on the tensor cores (kernels.triton.use_mma_linears; off by "
                              "default until timed)")
@@ -422,8 +425,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/realwidth.py needs a CUDA GPU.")
     from modeling_deepseek_v41.kernels.triton import use_mma_linears, use_mma_moe
-    if args.moe_mma:  # without the flags, DEEPSEEK_V41_MMA_MOE / _LINEARS still decide
-        use_mma_moe(True)
+    if args.moe_mma or args.no_moe_mma:  # without the flags, the defaults and DEEPSEEK_V41_MMA_MOE / _LINEARS decide
+        use_mma_moe(args.moe_mma)
     if args.linear_mma:
         use_mma_linears(True)
     if args.prefetch:  # the committed tiles with the option flipped, for an A/B of the candidate

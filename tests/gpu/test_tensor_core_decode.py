@@ -1,7 +1,7 @@
 """The tensor-core decode (kernels.triton.use_mma_moe / use_mma_linears: moe_mma.py, fp8_mma.py, dense_mma.py) in a
 whole quantized model on CUDA (skipped without one, or without Triton's Gluon), each switch alone and both: a k-token
 forward still equals k one-token steps bit for bit, graph-replayed steps equal the eager ones, with PDL as without,
-and the logits stay within the fixtures' loose bounds of the committed formulations'."""
+and the logits stay within the fixtures' loose bounds of the CUDA-core formulations'."""
 
 from __future__ import annotations
 
@@ -26,14 +26,16 @@ def mma(request):
         pytest.skip("this Triton has no Gluon")
 
     @contextmanager
-    def switched():
-        for name in request.param:
-            getattr(mma_choice, f"use_mma_{name}")(True)
+    def switched(on=True):
+        """The chosen products on the tensor cores and the others not (on=False: none), as it was after."""
+        before = mma_choice.mma_moe_enabled(), mma_choice.mma_linears_enabled()
+        mma_choice.use_mma_moe(on and "moe" in request.param)
+        mma_choice.use_mma_linears(on and "linears" in request.param)
         try:
             yield
         finally:
-            mma_choice.use_mma_moe(False)
-            mma_choice.use_mma_linears(False)
+            mma_choice.use_mma_moe(before[0])
+            mma_choice.use_mma_linears(before[1])
     return switched
 
 
@@ -53,14 +55,15 @@ def _ids(model, length, seed=0):
     return torch.randint(3, vocab, (1, length), generator=torch.Generator().manual_seed(seed)).cuda()
 
 
-def test_k_token_forward_equals_single_steps_and_stays_near_the_committed_formulations(mma):
+def test_k_token_forward_equals_single_steps_and_stays_near_the_cuda_core_formulations(mma):
     from modeling_deepseek_v41.cache import DeepseekV41Cache
     model = _quantized_model()
     k = model.config.text_config.dspark_block_size + 1
     ids = _ids(model, 32)
     prompt = ids.shape[1] - k
     with torch.no_grad():
-        committed = model(input_ids=ids, cache=DeepseekV41Cache(model.config)).logits[0].float()
+        with mma(on=False):  # the CUDA-core formulations
+            cuda_cores = model(input_ids=ids, cache=DeepseekV41Cache(model.config)).logits[0].float()
         with mma():
             full = model(input_ids=ids, cache=DeepseekV41Cache(model.config)).logits[0].float()
             cache = DeepseekV41Cache(model.config)
@@ -70,9 +73,9 @@ def test_k_token_forward_equals_single_steps_and_stays_near_the_committed_formul
             single = torch.cat([model(input_ids=ids[:, t:t + 1], cache=caches[1]).logits[0]
                                 for t in range(prompt, ids.shape[1])])
     assert torch.equal(together, single)
-    rel = ((full - committed).norm(dim=-1) / committed.norm(dim=-1)).median().item()
-    top1 = (full.argmax(-1) == committed.argmax(-1)).float().mean().item()
-    print(f"tensor cores against the committed formulations: median rel. L2 {rel:.2e}, top-1 {top1:.3f}")
+    rel = ((full - cuda_cores).norm(dim=-1) / cuda_cores.norm(dim=-1)).median().item()
+    top1 = (full.argmax(-1) == cuda_cores.argmax(-1)).float().mean().item()
+    print(f"tensor cores against the CUDA cores: median rel. L2 {rel:.2e}, top-1 {top1:.3f}")
     assert rel <= 0.2 and top1 >= 0.7  # the fixtures' loose bounds: fp32 orders re-quantized at every layer
 
 

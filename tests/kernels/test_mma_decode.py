@@ -9,6 +9,8 @@ row counts and block sizes, pairs, and CUDA-graph capture."""
 
 from __future__ import annotations
 
+import importlib
+
 import os
 
 import pytest
@@ -125,11 +127,35 @@ def test_the_formulation_is_asked_for_or_switched_on(monkeypatch):
     monkeypatch.setattr("modeling_deepseek_v41.kernels.triton.moe.mma_moe_enabled", lambda: True)
     grouped_moe(tokens, experts, weights, *stacks, limit=10.0)
     assert len(calls) == (2 if CUDA else 0)  # switched on, CUDA tensors only; the CPU keeps the exact rows
+    monkeypatch.setattr(mma_choice, "_chosen", {"moe": False, "linears": False})  # restored after the test
     monkeypatch.setattr(mma_choice, "gluon_available", lambda: False)
     for switch in (mma_choice.use_mma_moe, mma_choice.use_mma_linears):
         with pytest.raises(RuntimeError, match="Gluon"):
             switch(True)
     assert not mma_choice.mma_moe_enabled() and not mma_choice.mma_linears_enabled()
+
+
+def test_the_experts_switch_defaults_on_where_gluon_is_and_the_environment_decides(monkeypatch):
+    """The experts' tensor cores are the default wherever Triton has Gluon, the linears' are not; the environment's
+    0 or 1 overrides either, and anything else is refused with the values it takes."""
+    monkeypatch.delenv("DEEPSEEK_V41_MMA_MOE", raising=False)
+    assert mma_choice._from_environment("DEEPSEEK_V41_MMA_MOE", True) is True
+    assert mma_choice._from_environment("DEEPSEEK_V41_MMA_MOE", False) is False
+    monkeypatch.setenv("DEEPSEEK_V41_MMA_MOE", "0")
+    assert mma_choice._from_environment("DEEPSEEK_V41_MMA_MOE", True) is False
+    monkeypatch.setenv("DEEPSEEK_V41_MMA_MOE", "yes")
+    with pytest.raises(ValueError, match="DEEPSEEK_V41_MMA_MOE takes 0 \\(off\\) or 1 \\(on\\)"):
+        mma_choice._from_environment("DEEPSEEK_V41_MMA_MOE", True)
+    monkeypatch.setenv("DEEPSEEK_V41_MMA_MOE", "1")
+    monkeypatch.setattr(mma_choice, "gluon_available", lambda: False)
+    with pytest.raises(RuntimeError, match="Gluon"):
+        mma_choice._from_environment("DEEPSEEK_V41_MMA_MOE", False)
+    monkeypatch.undo()
+    monkeypatch.setattr(mma_choice, "_chosen", mma_choice._chosen)  # the session's switches, restored after
+    monkeypatch.delenv("DEEPSEEK_V41_MMA_MOE", raising=False)
+    monkeypatch.delenv("DEEPSEEK_V41_MMA_LINEARS", raising=False)
+    importlib.reload(mma_choice)  # the module's own choice, as at import
+    assert mma_choice.mma_moe_enabled() == mma_choice.gluon_available() and not mma_choice.mma_linears_enabled()
 
 
 # --- the Gluon products on the GPU -----------------------------------------------------------------------------
