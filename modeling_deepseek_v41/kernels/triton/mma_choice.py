@@ -1,7 +1,8 @@
 """Which decode-sized products run on the tensor cores through Gluon's mma_v2: the routed experts (moe_mma.py over
 fp4_mma.py) and the linears (fp8_mma.py for FP8 weights, dense_mma.py for bf16/fp16 weights and fp32 ones with bf16
 rows). The experts' switch is on wherever this Triton has Gluon (on the H100: batch-32 steps 8% faster, a 6-token
-verify's experts 7% faster, batch 1 even; benchmarks/results.md); the linears' is off (it loses at 1 and 32 rows).
+verify's experts 7% faster, batch 1 within 2%; benchmarks/results.md); the linears' is off (it loses at 1 and 32
+rows).
 `DEEPSEEK_V41_MMA_MOE=0|1` / `DEEPSEEK_V41_MMA_LINEARS=0|1` in the environment, or `use_mma_moe(...)` /
 `use_mma_linears(...)`, choose otherwise. CUDA graphs record whichever is on when they are recorded."""
 
