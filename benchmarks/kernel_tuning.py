@@ -94,7 +94,7 @@ def sweep_moe() -> None:
     # the tensor-core experts over K splits: how many programs a launch has against the SMs' room for them (wave
     # quantization at one token) moves with the split
     variants += [("mma", None, dict(up=u, down=dn)) for u, dn in [(1280, 1152), (640, 576), (2560, 2304), (512, 384)]]
-    variants += [("mma", dict(prefetch=True), dict(up=u, down=dn)) for u, dn in [(1280, 1152), (640, 576)]]
+    variants += [("mma", dict(prefetch=False), dict(up=u, down=dn)) for u, dn in [(1280, 1152), (2560, 2304)]]
     results = []
     for form, tile, chunk in variants:
         options = dict(rows=True) if form == "rows" else dict(mma=True) if form == "mma" else \
@@ -115,7 +115,7 @@ def sweep_moe() -> None:
         f"{32 * 3 * inter * d * (0.5 + 1 / 32) / HBM * 1e6:.1f} us")
     for _, times, form, tile, chunk in results:
         shown = "  ".join(f"{name} {ms * 1e3:7.1f} us" for name, ms in zip(cases, times))
-        ahead = " prefetch" if tile and tile.get("prefetch") else ""
+        ahead = {None: "", True: " prefetch", False: " no prefetch"}[tile.get("prefetch") if tile else None]
         where = (f"BN{tile['BN']} BK{tile['BK']} w{tile['num_warps']} s{tile['num_stages']}{ahead} up {chunk['up']} "
                  f"down {chunk['down']}") if tile and "BN" in tile else \
             f"up {chunk['up']} down {chunk['down']}{ahead}" if chunk else "committed tiles"

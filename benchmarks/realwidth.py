@@ -419,8 +419,9 @@ def main() -> None:
                         help="FP8 linears of up to 8 rows on the tensor cores (kernels.triton.use_mma_linears; off by "
                              "default until timed)")
     parser.add_argument("--prefetch", action="store_true",
-                        help="the decode kernels issue each next slice's loads ahead (the rows linears and experts, the "
-                             "tensor-core experts and linears; a candidate default, off until timed)")
+                        help="every decode kernel issues each next slice's loads ahead: the rows linears and experts "
+                             "and the tensor-core linears too (the tensor-core experts do by default; the rows kernels "
+                             "were slower with it on the H100)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/realwidth.py needs a CUDA GPU.")

@@ -122,6 +122,8 @@ def test_the_formulation_is_asked_for_or_switched_on(monkeypatch):
     experts, weights = _routing(2, 4, 2, seed=9)
     with pytest.raises(ValueError, match="mma takes packed FP4"):
         grouped_moe(tokens, experts, weights, *stacks, limit=10.0, mma=True, rows=True)
+    with pytest.raises(ValueError, match="pass mma=True with it"):
+        grouped_moe(tokens, experts, weights, *stacks, limit=10.0, tile={"prefetch": True})
     calls = []
     monkeypatch.setattr(moe_mma, "_mma_partials", lambda *a, **k: calls.append(1) or _dense_partials(*a, **k))
     monkeypatch.setattr("modeling_deepseek_v41.kernels.triton.moe.mma_moe_enabled", lambda: True)

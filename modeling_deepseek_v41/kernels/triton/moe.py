@@ -252,6 +252,8 @@ def grouped_moe(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
                and d % 128 == 0 and inter % 128 == 0)
     elif mma and (fmt != FMT_FP4_ROW or any(others)):
         raise ValueError("mma takes packed FP4 experts and excludes the other formulations and tilings")
+    if mma_tile and not mma:
+        raise ValueError("a tile of only {'prefetch'} is the tensor-core experts' option: pass mma=True with it")
     route = weights.reshape(-1).to(torch.float32).contiguous()
     if mma:
         block_rows = mma_block_rows(t, top_k, n_experts)
