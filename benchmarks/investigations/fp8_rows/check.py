@@ -6,8 +6,8 @@
 `sass` compiles both for sm_90 without a GPU (`--triton`: another Triton first on the path, e.g. the GPU machine's
 3.6) and prints, per slice of each main loop, the instructions per weight byte and the barriers. `gpu` checks the
 Gluon kernel against the float64 product and for batch invariance (a row's bits at 1 to 8 rows; one raw row QDQ'd
-inside equals the QDQ launch's), then times both at the decode step's FP8 shapes at 1, 6 and 8 rows, replayed from
-CUDA graphs over enough weight copies to defeat L2.
+inside equals the QDQ launch's), then times both at the decode step's FP8 shapes at 1, 6 and 8 rows as the model calls them (raw rows;
+more than one QDQ'd by a launch first), replayed from CUDA graphs over enough weight copies to defeat L2.
 """
 
 from __future__ import annotations
@@ -66,9 +66,10 @@ def sass() -> None:
             QDQ_X=rows == 1, PREFETCH=False), 4)
         show(f"triton rows BN64 BK256, {rows} row(s)", listing, resources, 64 * 256 / 128)
         for bn in (32, 64):
-            listing, resources, _ = compile_sass(_fp8_rows_kernel, ROWS, dict(
+            x = "bf16" if rows == 1 else "fp32"  # as gluon_rows_linear passes them
+            listing, resources, _ = compile_sass(_fp8_rows_kernel, dict(ROWS, x_ptr=f"*{x}"), dict(
                 BN=bn, BK=256, BM=rows, PAIR=False, QDQ_X=rows == 1, WARPS=4))
-            show(f"gluon rows BN{bn} BK256, {rows} row(s)", listing, resources, bn * 256 / 128)
+            show(f"gluon rows BN{bn} BK256, {rows} row(s) of {x}", listing, resources, bn * 256 / 128)
 
 
 def gpu() -> None:
@@ -117,15 +118,15 @@ def gpu() -> None:
             print(f"  the pair's second weight: rel {rel2.item():.1e}")
         times = {}
         for m in (1, 6, 8):
-            x = raw[:m] if m == 1 else numerics.fp8_act_qdq(raw[:m].float().cpu()).to(torch.bfloat16).cuda()
+            x = raw[:m]  # as the model's linears pass them: raw, QDQ'd inside at one row, by a launch first above
 
             def args(i):
-                return dict(second=(w2[i], s2[i], n2) if n2 else None, groups=groups)
+                return dict(second=(w2[i], s2[i], n2) if n2 else None, groups=groups, quantize=True)
             times[("triton", m)] = graph_ms([lambda i=i: rows_linear(x, w1[i], s1[i], FMT_FP8_TILE, n, k,
-                                                                     torch.bfloat16, quantize=m == 1, **args(i))
+                                                                     torch.bfloat16, **args(i))
                                              for i in range(count)])
             times[("gluon", m)] = graph_ms([lambda i=i: gluon_rows_linear(x, w1[i], s1[i], n, k, torch.bfloat16,
-                                                                          quantize=m == 1, **args(i))
+                                                                          **args(i))
                                             for i in range(count)])
         print(f"  roofline {nbytes / HBM * 1e6:.1f} us; " + "  ".join(
             f"M={m}: triton {times[('triton', m)] * 1e3:.1f} / gluon {times[('gluon', m)] * 1e3:.1f} us"
