@@ -24,19 +24,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def compile_sass(fn, types: dict, const: dict, num_warps: int = 4) -> tuple[str, str, int]:
-    """(SASS listing, resource line, shared bytes) of a Gluon kernel compiled for sm_90 with these argument types
-    and constexprs; pointers, strides and K-like sizes get the JIT's divisibility-by-16 specialization."""
+def compile_sass(fn, types: dict, const: dict, num_warps: int = 4, gluon: bool = True) -> tuple[str, str, int]:
+    """(SASS listing, resource line, shared bytes) of a Gluon kernel (or, gluon=False, a Triton one, unpipelined)
+    compiled for sm_90 with these argument types and constexprs; pointers, strides and K-like sizes get the JIT's
+    divisibility-by-16 specialization."""
     import triton
     from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
     from triton.experimental.gluon._runtime import GluonASTSource
     names = list(inspect.signature(fn.fn).parameters)
     sig = {a: ("constexpr" if a in const else types.get(a, "i32")) for a in names}
     aligned = [a for a in names if sig[a] != "constexpr"
                and (sig[a].startswith("*") or a.startswith("stride") or a in ("N", "K", "k_chunk"))]
     div = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
-    kernel = triton.compile(GluonASTSource(fn, sig, const, div), target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": num_warps})
+    source, options = (GluonASTSource, {}) if gluon else (ASTSource, {"num_stages": 1})
+    kernel = triton.compile(source(fn, sig, const, div), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": num_warps, **options})
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(kernel.asm["cubin"])

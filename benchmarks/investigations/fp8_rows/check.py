@@ -13,37 +13,13 @@ more than one QDQ'd by a launch first), replayed from CUDA graphs over enough we
 from __future__ import annotations
 
 import argparse
-import inspect
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
 ROWS = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*u8", "out_ptr": "*bf16", "part_ptr": "*fp32",
         "count_ptr": "*i32", "w2_ptr": "*fp8e4nv", "s2_ptr": "*u8", "out2_ptr": "*bf16"}
-
-
-def _triton_sass(fn, const: dict, num_warps: int) -> tuple[str, str]:
-    """(SASS, resource line) of a Triton kernel compiled for sm_90 with the JIT's divisibility specialization."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    names = list(inspect.signature(fn.fn).parameters)
-    sig = {a: ("constexpr" if a in const else ROWS.get(a, "i32")) for a in names}
-    div = {(names.index(a),): [["tt.divisibility", 16]] for a in names if sig[a] != "constexpr"
-           and (sig[a].startswith("*") or a.startswith("stride") or a in ("N", "K", "k_chunk"))}
-    kernel = triton.compile(ASTSource(fn, sig, const, div), target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": num_warps, "num_stages": 1})
-    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        sass = subprocess.run([str(tools / "nvdisasm"), "-c", f.name], capture_output=True, text=True).stdout
-        usage = subprocess.run([str(tools / "cuobjdump"), "--dump-resource-usage", f.name], capture_output=True,
-                               text=True).stdout
-    return sass, " ".join(line.strip() for line in usage.splitlines() if "REG" in line)
 
 
 def sass() -> None:
@@ -61,9 +37,9 @@ def sass() -> None:
               + ", ".join(f"{op} {count}" for op, count in main[1].most_common(6)))
 
     for rows in (1, 6, 8):
-        listing, resources = _triton_sass(_linear_rows_kernel, dict(
+        listing, resources, _ = compile_sass(_linear_rows_kernel, ROWS, dict(
             BN=64, BK=256, BM=rows, WFMT=FMT_FP8_TILE, PAIR=False, ACC=tl.float32, W_ROUND=tl.float32,
-            QDQ_X=rows == 1, PREFETCH=False), 4)
+            QDQ_X=rows == 1, PREFETCH=False), gluon=False)
         show(f"triton rows BN64 BK256, {rows} row(s)", listing, resources, 64 * 256 / 128)
         for bn in (32, 64):
             x = "bf16" if rows == 1 else "fp32"  # as gluon_rows_linear passes them
